@@ -62,6 +62,7 @@ class CLIPModel(nn.Module):
         self.text_head = ProjectionHead(self.text.width, cfg.embed_dim, cfg.head, cfg.head_dropout)
         self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))
         self.preprocess = self.visual.preprocess
+        apply_trainable(self)
 
     # -- encoders -------------------------------------------------------------------------------------------
     def encode_image(self, pixels: torch.Tensor, normalize: bool = True) -> torch.Tensor:
@@ -159,6 +160,13 @@ class CLIPModel(nn.Module):
             raise ModelDirError(f"{model_dir / 'preprocess.json'}: {e}") from None
         model.fingerprint = manifest["fingerprint"]
         return model.eval()
+
+
+def apply_trainable(model: CLIPModel) -> None:
+    """Freeze a tower whose config says ``trainable: false`` (LiT-style: heads and temperature still train)."""
+    for tower, trainable in ((model.visual, model.cfg.vision.trainable), (model.text, model.cfg.text.trainable)):
+        for p in tower.parameters():
+            p.requires_grad_(trainable)
 
 
 def _fingerprint(checksums: dict[str, str]) -> str:

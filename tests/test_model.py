@@ -1,0 +1,171 @@
+"""CLIPModel: shapes, dynamic image size, heads, temperature, gradients, model-directory round trip."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from clip_mini.config import ModelConfig, TextConfig, VisionConfig
+from clip_mini.model import CLIPModel, ModelDirError, ProjectionHead, read_manifest
+from clip_mini.vision import ImageEncoder, WeightsError
+
+CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a yellow star on the right"]
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    return ModelConfig(vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2),
+                       text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=200),
+                       embed_dim=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return CLIPModel.build(tiny_cfg(), captions=CAPTIONS * 4).eval()
+
+
+def test_output_shapes_and_normalisation(model):
+    tok = model.tokenize(CAPTIONS[:3])
+    pixels = torch.randn(3, 3, 32, 32)
+    img = model.encode_image(pixels)
+    txt = model.encode_text(tok["input_ids"], tok["attention_mask"])
+    assert img.shape == txt.shape == (3, 16)
+    torch.testing.assert_close(img.norm(dim=-1), torch.ones(3))
+    torch.testing.assert_close(txt.norm(dim=-1), torch.ones(3))
+    assert model.encode_image(pixels, normalize=False).norm(dim=-1).sub(1).abs().max() > 1e-3
+    logits_per_image, logits_per_text = model(pixels, tok["input_ids"], tok["attention_mask"])
+    assert logits_per_image.shape == (3, 3)
+    torch.testing.assert_close(logits_per_text, logits_per_image.T)
+    torch.testing.assert_close(logits_per_image, model.scale() * img @ txt.T)
+
+
+def test_vit_built_at_64_runs_at_96_and_returns_cls_state():
+    torch.manual_seed(0)
+    enc = ImageEncoder(VisionConfig(image_size=64, patch_size=8, width=32, depth=2, heads=2)).eval()
+    out64 = enc(torch.randn(2, 3, 64, 64))
+    out96 = enc(torch.randn(2, 3, 96, 96))
+    assert out64.shape == out96.shape == (2, 32)
+    x = torch.randn(1, 3, 96, 96)
+    tokens = enc.trunk.forward_features(x)  # (1, 1 + 12*12, D), final LayerNorm applied
+    assert tokens.shape[1] == 1 + 12 * 12
+    torch.testing.assert_close(enc(x), tokens[:, 0])
+    attn = enc.cls_attention(x)
+    assert attn.shape == (1, 2, 2, 12, 12)
+    assert torch.all(attn.sum((-1, -2)) <= 1 + 1e-5)
+
+
+def test_vit_pretrained_file_loads_with_resampled_pos_embed_and_rejects_mismatch(tmp_path):
+    from safetensors.torch import save_file
+
+    src = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2))
+    save_file({k: v.contiguous() for k, v in src.trunk.state_dict().items()}, str(tmp_path / "vit.safetensors"))
+    dst = ImageEncoder(VisionConfig(image_size=64, patch_size=8, width=32, depth=2, heads=2))
+    dst.load_pretrained(tmp_path / "vit.safetensors")
+    torch.testing.assert_close(dst.trunk.blocks[0].attn.qkv.weight, src.trunk.blocks[0].attn.qkv.weight)
+    assert dst.trunk.pos_embed.shape[1] == 1 + 64
+    torch.testing.assert_close(dst.trunk.pos_embed[:, 0], src.trunk.pos_embed[:, 0])  # CLS position kept
+    wide = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2))
+    with pytest.raises(WeightsError, match="do not fit"):
+        wide.load_pretrained(tmp_path / "vit.safetensors")
+    with pytest.raises(WeightsError, match="not found"):
+        wide.load_pretrained(tmp_path / "missing.safetensors")
+
+
+def test_projection_heads():
+    x = torch.randn(4, 10)
+    assert ProjectionHead(10, 6, "linear")(x).shape == (4, 6)
+    mlp = ProjectionHead(10, 6, "mlp", dropout=0.0)
+    y = mlp(x)
+    assert y.shape == (4, 6)
+    torch.testing.assert_close(y.mean(-1), torch.zeros(4), atol=1e-5, rtol=0)  # LayerNorm output
+
+
+def test_logit_scale_init_and_clamp(model):
+    assert model.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
+    with torch.no_grad():
+        model.logit_scale.fill_(10.0)
+    assert model.scale().item() == pytest.approx(100.0, rel=1e-5)
+    model.clamp_logit_scale()
+    assert model.logit_scale.item() == pytest.approx(math.log(100.0))
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(1 / 0.07))
+
+
+def test_every_parameter_gets_a_finite_gradient():
+    from clip_mini.loss import clip_loss
+
+    torch.manual_seed(0)
+    m = CLIPModel.build(tiny_cfg(), captions=CAPTIONS * 4).train()
+    tok = m.tokenize(CAPTIONS)
+    img = m.encode_image(torch.randn(4, 3, 32, 32))
+    txt = m.encode_text(tok["input_ids"], tok["attention_mask"])
+    loss = clip_loss(img, txt, m.scale())
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in m.named_parameters():
+        if name.endswith("position_embeddings.weight") or "word_embeddings" in name:
+            continue  # only rows of the tokens present get gradient; checked below
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+    assert m.text.bert.embeddings.word_embeddings.weight.grad.abs().sum() > 0
+
+
+def test_save_load_round_trip_is_exact(model, tmp_path):
+    fp = model.save_pretrained(tmp_path / "m")
+    names = {p.name for p in (tmp_path / "m").iterdir()}
+    assert {"config.json", "model.safetensors", "preprocess.json", "manifest.json", "tokenizer.json"} <= names
+    assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
+    loaded = CLIPModel.from_pretrained(tmp_path / "m")
+    assert loaded.fingerprint == fp == read_manifest(tmp_path / "m")["fingerprint"]
+    tok = model.tokenize(CAPTIONS)
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(pixels), loaded.encode_image(pixels))
+        assert torch.equal(model.encode_text(**tok), loaded.encode_text(**loaded.tokenize(CAPTIONS)))
+    pre = json.loads((tmp_path / "m" / "preprocess.json").read_text())
+    assert pre["image_size"] == 32 and len(pre["mean"]) == 3 and pre["resize_mode"] in ("squash", "center_crop")
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "config.json", "preprocess.json", "tokenizer.json"])
+def test_corrupt_model_dir_is_detected(model, tmp_path, victim):
+    model.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelDirError, match=victim.replace(".", r"\.")):
+        CLIPModel.from_pretrained(tmp_path / "m")
+
+
+def test_truncated_or_missing_files_are_named(model, tmp_path):
+    model.save_pretrained(tmp_path / "m")
+    w = tmp_path / "m" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(ModelDirError, match="model.safetensors"):
+        CLIPModel.from_pretrained(tmp_path / "m")
+    with pytest.raises(ModelDirError, match="model.safetensors"):
+        CLIPModel.from_pretrained(tmp_path / "m", verify=False)
+    with pytest.raises(ModelDirError, match="not found"):
+        CLIPModel.from_pretrained(tmp_path / "nope")
+    (tmp_path / "m" / "manifest.json").unlink()
+    with pytest.raises(ModelDirError, match="manifest.json"):
+        CLIPModel.from_pretrained(tmp_path / "m")
+
+
+def test_save_replaces_directory_atomically(model, tmp_path, monkeypatch):
+    """A failing save leaves the previous model directory complete and loadable."""
+    model.save_pretrained(tmp_path / "m")
+    before = read_manifest(tmp_path / "m")["fingerprint"]
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    from clip_mini.io import OutputError
+
+    with pytest.raises(OutputError, match="No space left"):
+        model.save_pretrained(tmp_path / "m")
+    assert read_manifest(tmp_path / "m")["fingerprint"] == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]

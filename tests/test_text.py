@@ -1,0 +1,81 @@
+"""Text tower: [CLS] pooling under the mask, tokenizers (trained and MiniLM), the MiniLM -> DistilBERT mapping."""
+import pytest
+import torch
+
+from clip_mini.config import TextConfig
+from clip_mini.text import (MINILM, TextEncoder, build_tokenizer, load_tokenizer, minilm_dir, minilm_to_distilbert,
+                            train_tokenizer)
+
+CAPTIONS = [
+    "A black dog is running through the grass .",
+    "Two children play on the beach near the water",
+    "a man in a red shirt climbs a rock wall",
+    "A girl with a pink umbrella walks down the street .",
+    "the brown dog jumps over a fence",
+]
+
+
+def test_trained_tokenizer_knows_caption_words_and_wraps_cls_sep(tmp_path):
+    tok = train_tokenizer(CAPTIONS * 3, vocab_size=500)
+    enc = tok(["a black dog runs on the beach", "a girl in a red shirt"], padding="longest", return_tensors="pt")
+    ids = enc["input_ids"]
+    assert (ids != tok.unk_token_id).all() or (ids[enc["attention_mask"] == 1] != tok.unk_token_id).all()
+    assert (ids[:, 0] == tok.cls_token_id).all()
+    lengths = enc["attention_mask"].sum(1)
+    assert all(ids[i, lengths[i] - 1] == tok.sep_token_id for i in range(len(ids)))
+    assert tok.convert_ids_to_tokens(ids[0, 1:4].tolist()) == ["a", "black", "dog"]  # lower-cased words kept
+    tok.save_pretrained(str(tmp_path))
+    again = load_tokenizer(tmp_path)
+    assert again(["a black dog"])["input_ids"] == tok(["a black dog"])["input_ids"]
+
+
+def test_cls_state_ignores_padding():
+    torch.manual_seed(0)
+    tok = train_tokenizer(CAPTIONS, vocab_size=300)
+    enc = TextEncoder(TextConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64, dropout=0.0), len(tok)).eval()
+    short = tok(["a dog"], return_tensors="pt")
+    padded = tok(["a dog", "a man in a red shirt climbs a rock wall"], padding="longest", return_tensors="pt")
+    assert padded["input_ids"].shape[1] > short["input_ids"].shape[1]
+    a = enc(short["input_ids"], short["attention_mask"])
+    b = enc(padded["input_ids"], padded["attention_mask"])[:1]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # position 0 really is the output: changing a later token changes it, changing nothing doesn't
+    hidden = enc.bert(**short).last_hidden_state
+    torch.testing.assert_close(a, hidden[:, 0])
+
+
+def test_frozen_text_tower_has_no_trainable_params():
+    from clip_mini.config import ModelConfig
+    from clip_mini.model import CLIPModel
+
+    cfg = ModelConfig(text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, trainable=False))
+    model = CLIPModel.build(cfg, captions=CAPTIONS)
+    from clip_mini.model import apply_trainable
+
+    apply_trainable(model)
+    assert not any(p.requires_grad for p in model.text.parameters())
+    assert all(p.requires_grad for p in model.visual.parameters())
+
+
+def test_minilm_tokenizer_is_bert_uncased_and_not_unk():
+    tok = build_tokenizer(TextConfig(pretrained=MINILM))
+    assert len(tok) == 30522
+    ids = tok(["A dog runs on the grass"])["input_ids"][0]
+    assert tok.unk_token_id not in ids
+    assert tok.convert_ids_to_tokens(ids) == ["[CLS]", "a", "dog", "runs", "on", "the", "grass", "[SEP]"]
+
+
+def test_minilm_mapping_matches_bert_hidden_states():
+    from transformers import BertModel
+
+    bert = BertModel.from_pretrained(str(minilm_dir())).eval()
+    tok = build_tokenizer(TextConfig(pretrained=MINILM))
+    enc = TextEncoder(TextConfig(pretrained=MINILM, dropout=0.0), len(tok), tok.pad_token_id).eval()
+    enc.load_pretrained(MINILM)
+    batch = tok(CAPTIONS, padding="longest", return_tensors="pt")
+    with torch.no_grad():
+        want = bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        got = enc.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    mask = batch["attention_mask"].bool()
+    assert (got[mask] - want[mask]).abs().max().item() < 1e-4
+    assert len(minilm_to_distilbert(minilm_dir())) == len(enc.bert.state_dict())
