@@ -1,0 +1,86 @@
+"""clip_mini.load(dir): embedding functions over a saved model directory."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import clip_mini
+from clip_mini.config import ModelConfig, TextConfig, VisionConfig
+from clip_mini.embed import InputError
+from clip_mini.model import CLIPModel
+
+CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a yellow star"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=1, heads=2),
+                      text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=200), embed_dim=16)
+    out = tmp_path_factory.mktemp("m") / "model"
+    CLIPModel.build(cfg, captions=CAPTIONS * 4).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("img")
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(5):
+        arr = rng.integers(0, 255, (40 + 7 * i, 50, 3), dtype=np.uint8)  # non-square, varied sizes
+        p = root / f"im{i}.png"
+        Image.fromarray(arr).save(p)
+        paths.append(p)
+    return paths
+
+
+def test_encode_text_and_image_shapes_and_norms(model_dir, images):
+    emb = clip_mini.load(model_dir, batch_size=2)
+    t = emb.encode_text(CAPTIONS + ["a much longer caption " * 40])  # truncated, not an error
+    assert t.shape == (5, 16) and t.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(t, axis=1), 1.0, atol=1e-5)
+    i = emb.encode_image([str(p) for p in images])
+    assert i.shape == (5, 16) and i.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(i, axis=1), 1.0, atol=1e-5)
+
+
+def test_path_pil_and_array_inputs_agree_and_match_the_model(model_dir, images):
+    emb = clip_mini.load(model_dir)
+    pil = Image.open(images[0])
+    arr = np.asarray(pil.convert("RGB"))
+    a, b, c = emb.encode_image([images[0]]), emb.encode_image([pil]), emb.encode_image([arr])
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(a, c, atol=1e-6)
+    # batching does not change results
+    single = np.concatenate([emb.encode_text([c]) for c in CAPTIONS])
+    np.testing.assert_allclose(single, emb.encode_text(CAPTIONS), atol=1e-5)
+    # same numbers as the model itself with the saved preprocessing
+    model = CLIPModel.from_pretrained(model_dir)
+    with torch.no_grad():
+        direct = model.encode_image(emb.transform(arr)[None]).numpy()
+    np.testing.assert_allclose(a, direct, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], "empty"),
+    ("a red circle", "list"),
+    (["ok", 3], "caption 1"),
+    (["ok", "   "], "caption 1 is empty"),
+])
+def test_bad_text_inputs_are_named(model_dir, bad, match):
+    with pytest.raises(InputError, match=match):
+        clip_mini.load(model_dir).encode_text(bad)
+
+
+def test_bad_image_inputs_are_named(model_dir, images, tmp_path):
+    emb = clip_mini.load(model_dir)
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg at all")
+    with pytest.raises(InputError, match="image 1.*broken.jpg"):
+        emb.encode_image([images[0], tmp_path / "broken.jpg"])
+    with pytest.raises(InputError, match="image 0.*missing.png"):
+        emb.encode_image([tmp_path / "missing.png"])
+    with pytest.raises(InputError, match="empty"):
+        emb.encode_image([])
+    with pytest.raises(InputError):
+        emb.encode_image([12345])
