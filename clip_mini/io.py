@@ -28,6 +28,7 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + suffix, dir=path.parent)
         os.close(fd)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs should be as readable as a plain open()
     except OSError as e:
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
     tmp_path = Path(tmp)
@@ -43,6 +44,12 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -84,6 +91,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        os.chmod(tmp, 0o777 & ~_umask())
     except OSError as e:
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
     try:

@@ -1,0 +1,166 @@
+"""Safe image loading: mode conversions, the header check's skip reasons, and load_table's report."""
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from clip_mini.config import DataConfig
+from clip_mini.data.dataset import load_table
+from clip_mini.data.images import ImageError, check_images, load_image
+from clip_mini.data.readers import DataError
+
+
+def _noise_jpeg(path, size=(64, 48)):
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path, quality=95)
+
+
+# --- conversions ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, value, expected", [
+    ("L", 77, (77, 77, 77)),
+    ("1", 1, (255, 255, 255)),
+    ("RGB", (1, 2, 3), (1, 2, 3)),
+    ("RGBA", (255, 0, 0, 0), (255, 255, 255)),        # fully transparent -> white background
+    ("RGBA", (255, 0, 0, 255), (255, 0, 0)),
+    ("RGBA", (0, 0, 0, 128), (127, 127, 127)),         # half black over white
+    ("LA", (0, 0), (255, 255, 255)),
+])
+def test_modes_become_rgb_uint8(tmp_path, mode, value, expected):
+    p = tmp_path / "x.png"
+    Image.new(mode, (5, 4), value).save(p)
+    arr = load_image(p)
+    assert arr.shape == (4, 5, 3) and arr.dtype == np.uint8
+    assert np.abs(arr.astype(int) - expected).max() <= 1
+
+
+def test_palette_with_transparency_composites_on_white(tmp_path):
+    im = Image.new("P", (4, 4), 0)
+    im.putpalette([10, 20, 30, 200, 0, 0] + [0] * 762)
+    im.putpixel((0, 0), 1)
+    im.save(tmp_path / "p.png", transparency=0)
+    arr = load_image(tmp_path / "p.png")
+    assert tuple(arr[0, 0]) == (200, 0, 0) and tuple(arr[1, 1]) == (255, 255, 255)
+    im.save(tmp_path / "q.png")   # same palette, no transparency
+    assert tuple(load_image(tmp_path / "q.png")[1, 1]) == (10, 20, 30)
+
+
+def test_cmyk_jpeg(tmp_path):
+    Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "c.jpg", quality=100)
+    r, g, b = load_image(tmp_path / "c.jpg")[4, 4].astype(int)
+    assert r > 230 and g < 25 and b < 25
+
+
+def test_16bit_grayscale_and_rgb_are_scaled_not_clipped(tmp_path):
+    gray = np.array([[0, 32896, 65535]], dtype=np.uint16)
+    Image.fromarray(gray).save(tmp_path / "g16.png")
+    assert load_image(tmp_path / "g16.png")[0, :, 0].tolist() == [0, 128, 255]
+    rgb = np.zeros((2, 2, 3), np.uint16)
+    rgb[..., 2] = 65535   # cv2 writes BGR: this is red
+    rgb[..., 1] = 32896
+    cv2.imwrite(str(tmp_path / "c16.png"), rgb)
+    assert load_image(tmp_path / "c16.png")[0, 0].tolist() == [255, 128, 0]
+
+
+def test_exif_rotation_is_applied(tmp_path):
+    arr = np.zeros((10, 20, 3), np.uint8)
+    arr[:, :10] = (255, 0, 0)   # stored left half red
+    arr[:, 10:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6            # "rotate 90 CW to display": stored left becomes displayed top
+    Image.fromarray(arr).save(tmp_path / "r.jpg", exif=exif, quality=100)
+    out = load_image(tmp_path / "r.jpg")
+    assert out.shape == (20, 10, 3)
+    assert out[2, 5, 0] > 200 and out[17, 5, 2] > 200
+
+
+@pytest.mark.parametrize("arr, expected", [
+    (np.full((3, 4), 9, np.uint8), (9, 9, 9)),
+    (np.full((3, 4, 1), 9, np.uint8), (9, 9, 9)),
+    (np.full((3, 4, 3), 0.5, np.float32), (128, 128, 128)),
+    (np.concatenate([np.zeros((3, 4, 3)), np.zeros((3, 4, 1))], axis=2).astype(np.uint8), (255, 255, 255)),
+])
+def test_arrays_and_pil_inputs(arr, expected):
+    out = load_image(arr)
+    assert out.shape == (3, 4, 3) and out.dtype == np.uint8 and tuple(out[0, 0]) == expected
+    assert np.array_equal(load_image(Image.new("L", (4, 3), 9)), np.full((3, 4, 3), 9, np.uint8))
+
+
+@pytest.mark.parametrize("bad", [np.zeros((3, 4, 2), np.uint8), np.zeros((2, 3, 4, 3)), np.full((2, 2), np.nan)])
+def test_bad_arrays_raise(bad):
+    with pytest.raises(ImageError, match="<array>"):
+        load_image(bad)
+
+
+# --- header check and read-time errors --------------------------------------------------------------------
+
+@pytest.fixture()
+def bad_files(tmp_path):
+    """A folder with one good image and one of each bad kind; returns (folder, {name: reason fragment})."""
+    d = tmp_path / "images"
+    d.mkdir()
+    _noise_jpeg(d / "good.jpg")
+    Image.new("RGB", (8, 8)).save(d / "good.png")
+    (d / "empty.jpg").write_bytes(b"")
+    (d / "text.jpg").write_text("<html>404 not found</html>")
+    Image.new("RGB", (8, 8)).save(d / "png_named.jpg", format="PNG")
+    _noise_jpeg(d / "trunc.jpg")
+    (d / "trunc.jpg").write_bytes((d / "trunc.jpg").read_bytes()[:1500])
+    _noise_jpeg(d / "trunc.png")
+    Image.fromarray(np.asarray(Image.open(d / "trunc.png"))).save(d / "trunc.png")
+    (d / "trunc.png").write_bytes((d / "trunc.png").read_bytes()[:-30])
+    Image.new("1", (9000, 9000)).save(d / "bomb.png")   # 81 MP, a few KB on disk
+    Image.new("RGB", (8, 8)).save(d / "Upper.PNG")
+    expected = {"empty.jpg": "empty file", "text.jpg": "not an image", "png_named.jpg": "wrongly named",
+                "trunc.jpg": "truncated", "trunc.png": "truncated", "bomb.png": "exceeds the limit",
+                "missing.jpg": "missing file", "upper.png": "a file named 'Upper.PNG' exists"}
+    return d, expected
+
+
+def test_check_images_reports_each_bad_kind(bad_files):
+    d, expected = bad_files
+    bad = check_images([d / n for n in ["good.jpg", "good.png", "Upper.PNG", *expected]])
+    assert {p.split("/")[-1]: r for p, r in bad.items()}.keys() == expected.keys()
+    for name, fragment in expected.items():
+        assert fragment in bad[str(d / name)], (name, bad[str(d / name)])
+
+
+def test_load_image_errors_name_path_and_reason(bad_files):
+    d, _ = bad_files
+    for name, fragment in [("missing.jpg", "missing"), ("empty.jpg", "empty"), ("text.jpg", "not an image"),
+                           ("trunc.jpg", "cannot decode"), ("bomb.png", "exceeds the limit")]:
+        with pytest.raises(ImageError) as e:
+            load_image(d / name)
+        assert e.value.path == str(d / name) and fragment in e.value.reason
+    with pytest.raises(ImageError, match="exceeds the limit of 100"):
+        load_image(d / "good.jpg", max_pixels=100)
+
+
+def test_load_table_skips_and_reports(bad_files, tmp_path, capsys):
+    d, expected = bad_files
+    names = ["good.jpg", "good.png", *expected]
+    rows = [(n, f"caption of {n}") for n in names] + [("good.png", "second"), ("good.jpg", "")]
+    pd.DataFrame(rows, columns=["image", "caption"]).to_csv(tmp_path / "captions.csv", index=False)
+    df = load_table(DataConfig(captions=str(tmp_path / "captions.csv")), report_dir=tmp_path / "run")
+    assert df["image"].tolist() == ["good.jpg", "good.png", "good.png"]
+    assert df["image_id"].tolist() == [0, 1, 1]
+    out = capsys.readouterr().out
+    assert f"2 images, 3 captions" in out and f"skipped {len(expected)} bad images" in out
+    assert "1 empty captions" in out
+    report = pd.read_csv(tmp_path / "run" / "skipped.csv")
+    assert list(report.columns) == ["path", "reason"] and len(report) == len(expected) + 1
+    assert report["path"].iloc[-1].endswith("captions.csv:row 12")
+
+
+def test_load_table_without_usable_images(tmp_path):
+    (tmp_path / "captions.csv").write_text("image,caption\nnope.jpg,x\n")
+    with pytest.raises(DataError, match="none of its 1 images is usable.*missing file"):
+        load_table(DataConfig(captions=str(tmp_path / "captions.csv")))
+
+
+def test_load_table_writes_no_report_when_clean(tmp_path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "captions.csv").write_text("image,caption\na.png,x\n")
+    load_table(DataConfig(captions=str(tmp_path / "captions.csv")), report_dir=tmp_path / "run")
+    assert not (tmp_path / "run" / "skipped.csv").exists()
