@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -188,6 +189,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+_YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp``; returns the value (ints widened to float, lists to tuples)."""
     origin = typing.get_origin(tp)
@@ -222,6 +226,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.match(value.strip()):
+            value = float(value)   # YAML 1.1 (PyYAML) reads "1e-3" (no dot) as a string, not a number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
         if not math.isfinite(value):

@@ -1,0 +1,183 @@
+"""Index build throughput: JPEG folder -> stored embeddings, against the model forward alone, and peak memory.
+
+    python benchmarks/bench_index.py [--images ../shared/data/flickr8k/images] [--limit 2000] [--stub-files 100000]
+
+Model: the ``configs/tiny.yaml`` architecture, untrained (speed does not depend on the weights).
+Measured, each in a fresh process so peak RSS is per variant:
+
+* ``forward``: ``encode_image`` on ready (B, 3, S, S) tensors, fp32 and bf16: the ceiling for indexing;
+* ``index``: ``sync_index`` on ``limit`` JPEGs (stat, sha256, decode, resize, forward, chunked writes, commit),
+  with 0 and 1 DataLoader workers;
+* ``stub``: the index machinery alone on ``stub_files`` tiny files with a stub model returning random vectors,
+  showing that memory stays bounded as the file count grows (the claim: 100k images in under 2 GB RSS).
+
+Falls back to generated JPEGs when the Flickr8k folder is absent. Writes ``benchmarks/results/index.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+FLICKR = ROOT.parent / "shared/data/flickr8k/images"
+
+
+def _peak_rss_mb() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss   # DataLoader workers
+    return round(max(own, kids) / 1024, 1)
+
+
+def make_model(out: Path) -> None:
+    from clip_mini.config import load_config
+    from clip_mini.model import CLIPModel
+
+    CLIPModel.build(load_config(ROOT / "configs/tiny.yaml").model, captions=["a photo"] * 8).save_pretrained(out)
+
+
+def run_forward(model_dir: str, batch: int, n_batches: int) -> dict:
+    import torch
+
+    import clip_mini
+
+    e = clip_mini.load(model_dir)
+    size = e.model.preprocess.image_size
+    pixels = torch.randn(batch, 3, size, size)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            e.model.encode_image(pixels)   # warm-up
+            t = time.perf_counter()
+            for _ in range(n_batches):
+                e.model.encode_image(pixels)
+            out[precision] = round(batch * n_batches / (time.perf_counter() - t), 1)
+    return {"images_per_s": out, "batch": batch, "threads": torch.get_num_threads(), "peak_rss_mb": _peak_rss_mb()}
+
+
+def run_index(model_dir: str, folder: str, limit: int, workers: int, out_dir: str) -> dict:
+    import clip_mini
+    from clip_mini.index_build import scan_images, sync_index
+
+    files = scan_images(folder)[:limit]
+    e = clip_mini.load(model_dir)
+    t = time.perf_counter()
+    index = sync_index(out_dir, e, files, workers=workers, progress=False)
+    secs = time.perf_counter() - t
+    t = time.perf_counter()
+    sync_index(out_dir, e, files, workers=workers, progress=False)   # nothing changed: stat only
+    noop = time.perf_counter() - t
+    return {"images": len(index), "workers": workers, "seconds": round(secs, 2),
+            "images_per_s": round(len(index) / secs, 1), "unchanged_rerun_s": round(noop, 3),
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+class _StubEmbedder:
+    """Random unit vectors instead of a model: isolates the index machinery's time and memory."""
+
+    def __init__(self, dim: int = 128):
+        import numpy as np
+        import torch
+
+        from clip_mini.data import build_eval_transform
+        from clip_mini.config import PreprocessConfig
+
+        self.dim, self.fingerprint, self.device = dim, "stub0000stub0000", "cpu"
+        self.transform = build_eval_transform(PreprocessConfig(image_size=16))
+        gen = torch.Generator().manual_seed(0)
+
+        class _Model:
+            def encode_image(self, pixels):
+                x = torch.randn(len(pixels), dim, generator=gen)
+                return x / x.norm(dim=1, keepdim=True)
+
+        self.model, self._np = _Model(), np
+
+
+def run_stub(n_files: int, tmp: str) -> dict:
+    import numpy as np
+    from PIL import Image
+
+    from clip_mini.index_build import sync_index
+
+    folder = Path(tmp) / "stub_images"
+    folder.mkdir()
+    # One tiny PNG's bytes, varied in a trailing comment-free way: distinct content via the pixel values.
+    t = time.perf_counter()
+    paths = []
+    for i in range(n_files):
+        p = folder / f"{i // 1000:03d}" / f"{i:06d}.png"
+        p.parent.mkdir(exist_ok=True)
+        Image.fromarray(np.full((4, 4, 3), (i % 251, (i // 251) % 251, i // 63001), np.uint8)).save(p)
+        paths.append(str(p))
+    made = time.perf_counter() - t
+    t = time.perf_counter()
+    index = sync_index(Path(tmp) / "stub_index", _StubEmbedder(), paths, batch_size=256, progress=False)
+    return {"files": len(index), "make_files_s": round(made, 1), "index_s": round(time.perf_counter() - t, 1),
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def _child(kind: str, *args) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child", kind, *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"{kind} failed: {r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", default=str(FLICKR))
+    p.add_argument("--limit", type=int, default=2000)
+    p.add_argument("--stub-files", type=int, default=100_000)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/index.json"))
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        kind, *rest = args.child
+        fn = {"forward": lambda: run_forward(rest[0], 64, 10),
+              "index": lambda: run_index(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4]),
+              "stub": lambda: run_stub(int(rest[0]), rest[1])}[kind]
+        print(json.dumps(fn()))
+        return {}
+    with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:
+        model_dir = Path(tmp) / "model"
+        make_model(model_dir)
+        folder = args.images if Path(args.images).is_dir() else _generated_jpegs(Path(tmp) / "jpegs", args.limit)
+        result = {"images_folder": str(folder), "loadavg_start": os.getloadavg()[0],
+                  "forward": _child("forward", model_dir)}
+        for workers in (0, 1):
+            result[f"index_workers{workers}"] = _child("index", model_dir, folder, args.limit, workers,
+                                                       Path(tmp) / f"index{workers}")
+        if args.stub_files:
+            result["stub"] = _child("stub", args.stub_files, tmp)
+        result["loadavg_end"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=2))
+    from clip_mini.io import atomic_write_json
+
+    atomic_write_json(args.out, result)
+    return result
+
+
+def _generated_jpegs(folder: Path, n: int) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        base = np.linspace(0, 255, 160, dtype=np.float32)
+        img = (base[None, :, None] * rng.random(3) + rng.normal(0, 8, (160, 160, 3))).clip(0, 255)
+        Image.fromarray(img.astype(np.uint8)).save(folder / f"{i:05d}.jpg", quality=90)
+    return folder
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Where the image tower looks: the CLS token's attention over the patch grid.
+
+Two summaries of a ViT's attention (both (grid_h, grid_w) maps summing to 1):
+
+* ``mean``: the CLS row of every layer's attention, averaged over heads and layers (``ImageEncoder.cls_attention``).
+* ``rollout`` (Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers"): per layer the head-averaged
+  attention plus the identity for the residual path, rows renormalised, multiplied through the layers; the CLS row
+  of the product says how much each patch's input reaches the CLS output.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+Mode = Literal["mean", "rollout"]
+
+
+@torch.no_grad()
+def full_attention(trunk, pixels: torch.Tensor) -> list[torch.Tensor]:
+    """Attention probabilities of every layer of a timm ``VisionTransformer``: list of (B, heads, N, N)."""
+    x = trunk.patch_embed(pixels)
+    x = trunk._pos_embed(x)
+    x = trunk.norm_pre(trunk.patch_drop(x))
+    maps = []
+    for block in trunk.blocks:
+        attn = block.attn
+        h = block.norm1(x)
+        B, N, C = h.shape
+        qkv = attn.qkv(h).reshape(B, N, 3, attn.num_heads, C // attn.num_heads).permute(2, 0, 3, 1, 4)
+        q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])  # (B, nh, N, hs)
+        maps.append(((q * attn.scale) @ k.transpose(-2, -1)).softmax(-1))  # (B, nh, N, N)
+        x = block(x)
+    return maps
+
+
+def rollout(maps: list[torch.Tensor], num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Attention rollout from per-layer maps (B, heads, N, N): the CLS row over patches, (B, N - prefix)."""
+    result = None
+    for a in maps:
+        a = a.mean(1)  # (B, N, N) head average
+        a = a + torch.eye(a.shape[-1], dtype=a.dtype)  # residual connection
+        a = a / a.sum(-1, keepdim=True)
+        result = a if result is None else a @ result
+    return result[:, 0, num_prefix_tokens:]
+
+
+def attention_map(model, pixels: torch.Tensor, mode: Mode = "mean") -> np.ndarray:
+    """CLS attention over the patch grid for one preprocessed image.
+
+    Args:
+        model: ``CLIPModel`` with a ViT image tower.
+        pixels: (3, S, S) or (1, 3, S, S) preprocessed image.
+        mode: "mean" (over heads and layers) or "rollout".
+
+    Returns:
+        (grid_h, grid_w) float32 map, non-negative, summing to 1.
+    """
+    if pixels.ndim == 3:
+        pixels = pixels[None]
+    visual = model.visual
+    if mode == "mean":
+        maps = visual.cls_attention(pixels)  # (1, depth, heads, gh, gw)
+        heat = maps.mean(dim=(1, 2))[0]
+    elif mode == "rollout":
+        if visual.cfg.backbone != "vit":
+            raise ValueError(f"attention rollout needs a ViT image tower, this model uses {visual.cfg.backbone}")
+        trunk = visual.trunk
+        flat = rollout(full_attention(trunk, pixels), trunk.num_prefix_tokens)[0]
+        gh, gw = _grid(trunk, pixels)
+        heat = flat.reshape(gh, gw)
+    else:
+        raise ValueError(f"unknown attention mode {mode!r} (use 'mean' or 'rollout')")
+    heat = heat.float().clamp_min(0).cpu().numpy()
+    return (heat / max(float(heat.sum()), 1e-12)).astype(np.float32)
+
+
+def _grid(trunk, pixels: torch.Tensor) -> tuple[int, int]:
+    ph, pw = trunk.patch_embed.patch_size
+    return pixels.shape[-2] // ph, pixels.shape[-1] // pw

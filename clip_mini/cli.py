@@ -1,0 +1,139 @@
+"""``clip-mini``: train, index, search, eval, attention.
+
+    clip-mini train --config configs/shapes.yaml [--set train.epochs=3] [--resume]
+    clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos
+    clip-mini search --index indexes/photos "a dog running on grass" -k 10 --grid hits.png
+    clip-mini eval --model runs/tiny/best --data configs/shapes.yaml --split test
+    clip-mini attention --model runs/tiny/best photo.jpg --out attn.png
+
+Heavy libraries are imported inside the command that needs them: a text ``search`` never imports torch (see
+``clip_mini.query``). Errors raised by clip_mini for bad input print ``error: <message>`` and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
+COMMANDS = ("train", "index", "search", "eval", "attention")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="A small CLIP-style image-text dual encoder.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(commands) + "}")
+    if "train" in commands:
+        sub.add_parser("train", add_help=False, help="train a model (see `clip-mini train --help`)")
+
+    ix = sub.add_parser("index", help="embed a folder of images (or a dataset's) into an index directory")
+    ix.add_argument("--out", required=True, help="index directory (created, or updated incrementally)")
+    ix.add_argument("--model", help="model directory")
+    src = ix.add_mutually_exclusive_group()
+    src.add_argument("--images", help="folder of images (searched recursively)")
+    src.add_argument("--data", help="config YAML whose data.captions images (and captions) are indexed")
+    src.add_argument("--merge", nargs="*", metavar="SHARD", help="merge shard indexes (default: OUT/shards/*)")
+    ix.add_argument("--add", action="store_true", help="keep rows of files not listed now (default: mirror)")
+    ix.add_argument("--shard", help="i/n: index only shard i of n (into OUT/shards/i-of-n); merge with --merge")
+    ix.add_argument("--batch-size", type=_positive_int, default=64)
+    ix.add_argument("--workers", type=int, default=0, help="DataLoader workers decoding images")
+    ix.add_argument("--bf16", action="store_true", help="bf16 autocast for the image tower (faster on CPUs with AMX)")
+    ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf"],
+                    help="store a faiss index too (auto: HNSW for large indexes when faiss is installed)")
+    ix.add_argument("--quiet", action="store_true")
+
+    se = sub.add_parser("search", help="search an index with a text (or an image) query")
+    se.add_argument("--index", required=True)
+    se.add_argument("query", nargs="?", help="text query")
+    se.add_argument("--image", help="image query (image-to-image search)")
+    se.add_argument("-k", type=_positive_int, default=10, help="number of results (default 10)")
+    se.add_argument("--model", help="model directory (default: the one recorded in the index)")
+    se.add_argument("--backend", default="auto", choices=["auto", "exact", "faiss"])
+    se.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    se.add_argument("--grid", metavar="PNG", help="draw the results with rank and score into this PNG")
+    se.add_argument("--no-verify", action="store_true", help="skip the checksum of the index files")
+
+    ev = sub.add_parser("eval", help="retrieval recall on a split, or zero-shot accuracy with --labels")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--data", help="config YAML (data section) for retrieval recall@K")
+    ev.add_argument("--split", default="test", choices=["train", "val", "test"])
+    ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ev.add_argument("--labels", help="zero-shot: class names (.txt, with --images) or an image,label CSV")
+    ev.add_argument("--images", help="zero-shot: ImageFolder root (one subfolder per class)")
+    ev.add_argument("--label-col", default="label", help="zero-shot: label column of a labels CSV")
+    ev.add_argument("--template", action="append", help="zero-shot prompt with {} (repeatable)")
+    ev.add_argument("--batch-size", type=_positive_int, default=64)
+    ev.add_argument("--workers", type=int, default=0)
+    ev.add_argument("--json", action="store_true")
+
+    at = sub.add_parser("attention", help="overlay the CLS token's attention on an image")
+    at.add_argument("--model", required=True)
+    at.add_argument("image")
+    at.add_argument("--out", required=True, help="output PNG")
+    at.add_argument("--mode", default="mean", choices=["mean", "rollout"],
+                    help="mean over heads and layers, or attention rollout")
+    at.add_argument("--alpha", type=float, default=0.5, help="heat map opacity")
+    at.add_argument("--size", type=int, default=448, help="longer side of the output in pixels (0: image size)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) -> int:
+    """Run one command; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "train" and "train" in commands:
+            return _train(argv[1:])
+        args = build_parser(prog, commands).parse_args(argv)
+        from clip_mini import commands as C
+
+        return getattr(C, f"cmd_{args.command}")(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:   # `clip-mini search ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def is_user_error(e: BaseException) -> bool:
+    """clip_mini's own exceptions (ConfigError, DataError, ImageError, ModelDirError, InputError,
+    EmbeddingIndexError, OutputError, WeightsError, TokenizerError, ...) describe bad input: no traceback.
+
+    Matched by where the class is defined, so this module need not import the modules that define them.
+    """
+    return any(c.__module__.split(".")[0] == "clip_mini" for c in type(e).__mro__)
+
+
+def _train(argv: list[str]) -> int:
+    try:
+        from clip_mini.train.cli import main as train_main
+    except ImportError as e:
+        print(f"error: training is unavailable: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    status = train_main(argv)
+    return int(status or 0)
+
+
+def print_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

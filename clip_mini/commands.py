@@ -1,0 +1,181 @@
+"""The bodies of the ``clip-mini`` commands (argument parsing lives in ``clip_mini.cli``).
+
+Each ``cmd_*`` takes the parsed arguments, calls the library and prints; each imports only what it needs, so a
+text search stays free of torch.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from clip_mini.cli import print_json
+from clip_mini.index import EmbeddingIndex, EmbeddingIndexError
+
+
+# -- index -----------------------------------------------------------------------------------------------------
+def cmd_index(args: argparse.Namespace) -> int:
+    from clip_mini.index_shards import merge_indexes, parse_shard
+
+    progress = not args.quiet
+    if args.merge is not None:
+        index = merge_indexes(args.out, args.merge or None, faiss=args.faiss, progress=progress)
+        print(f"merged into {index.path}: {len(index)} images")
+        return 0
+    if args.model is None or (args.images is None and args.data is None):
+        raise EmbeddingIndexError("index needs --model and one of --images FOLDER or --data CONFIG (or --merge)")
+    shard, world = _shard_from(args.shard, parse_shard)
+    images, captions, source = _index_inputs(args)
+    import clip_mini
+    from clip_mini.index_build import sync_index
+
+    embedder = clip_mini.load(args.model, batch_size=args.batch_size)
+    index = sync_index(args.out, embedder, images, captions=captions, prune=not args.add,
+                       batch_size=args.batch_size, workers=args.workers, precision="bf16" if args.bf16 else "fp32",
+                       faiss=args.faiss, shard=shard, source=source, model_dir=args.model, progress=progress)
+    print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}")
+    if world is not None:   # launched by torchrun: wait for every rank, then rank 0 merges the shards
+        world.barrier()
+        if shard[0] == 0:
+            merged = merge_indexes(args.out, None, faiss=args.faiss, progress=progress)
+            print(f"merged {shard[1]} shards into {merged.path}: {len(merged)} images")
+        world.barrier()
+        world.destroy_process_group()
+    return 0
+
+
+def _shard_from(text, parse_shard):
+    """``--shard i/n``, or the rank under torchrun (returns the shard and the initialised torch.distributed)."""
+    if text is not None:
+        return parse_shard(text), None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        return (dist.get_rank(), dist.get_world_size()), dist
+    return None, None
+
+
+def _index_inputs(args: argparse.Namespace):
+    from clip_mini.image_files import scan_images
+
+    if args.images is not None:
+        images = scan_images(args.images)
+        if not images:
+            raise EmbeddingIndexError(f"no images found under {args.images} (looked for .jpg, .png, .webp, ...)")
+        return images, None, os.path.abspath(args.images)
+    from clip_mini.config import load_config
+    from clip_mini.data import load_table
+
+    cfg = load_config(args.data)
+    df = load_table(cfg.data, report_dir=None, progress=not args.quiet)
+    captions = df.groupby("path", sort=False)["caption"].agg(" | ".join).to_dict()
+    return list(captions), captions, os.path.abspath(cfg.data.captions)
+
+
+# -- search ----------------------------------------------------------------------------------------------------
+def cmd_search(args: argparse.Namespace) -> int:
+    if (args.query is None) == (args.image is None):
+        raise EmbeddingIndexError("search needs a text query or --image PATH (exactly one)")
+    if args.query is not None and not args.query.strip():
+        raise EmbeddingIndexError("the text query is empty")
+    index = EmbeddingIndex.load(args.index, verify=not args.no_verify)
+    model_dir = args.model or index.manifest.get("model_dir")
+    if not model_dir:
+        raise EmbeddingIndexError(f"index {args.index} does not record its model: pass --model DIR")
+    if not Path(model_dir).is_dir():
+        raise EmbeddingIndexError(f"model directory {model_dir} (used to build {args.index}) is gone: pass --model")
+    if args.query is not None:
+        from clip_mini.query import NumpyTextEncoder, read_verified_manifest
+
+        index.check_model(read_verified_manifest(Path(model_dir), verify=False)["fingerprint"], f"model {model_dir}")
+        queries = NumpyTextEncoder.load(model_dir).encode_text([args.query])
+    else:
+        import clip_mini
+        from clip_mini.embed import InputError
+
+        embedder = clip_mini.load(model_dir)
+        index.check_model(embedder.fingerprint, f"model {model_dir}")
+        if not Path(args.image).is_file():
+            raise InputError(f"query image not found: {args.image}")
+        queries = embedder.encode_image([args.image])
+    scores, ids = index.search(queries, args.k, args.backend)
+    hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+    results = [{"rank": r + 1, "score": round(s, 6), "path": index.items["path"][i],
+                "caption": index.items["caption"][i]} for r, (i, s) in enumerate(hits)]
+    if args.grid:
+        from clip_mini.viz import result_grid
+
+        title = f"{args.query!r}" if args.query is not None else f"image: {args.image}"
+        result_grid([h["path"] for h in results], [h["score"] for h in results], args.grid, title=title)
+    if args.json:
+        print_json({"query": args.query, "image": args.image, "index": str(index.path),
+                    "model_fingerprint": index.fingerprint, "results": results})
+    else:
+        _print_table(results)
+        if args.grid:
+            print(f"grid: {args.grid}")
+    return 0
+
+
+def _print_table(results: list[dict]) -> None:
+    with_captions = any(r["caption"] for r in results)
+    print(f"{'rank':>4}  {'score':>7}  path" + ("  caption" if with_captions else ""))
+    for r in results:
+        caption = f"  {r['caption'][:80]}" if with_captions else ""
+        print(f"{r['rank']:>4}  {r['score']:>7.4f}  {r['path']}{caption}")
+
+
+# -- eval ------------------------------------------------------------------------------------------------------
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clip_mini.model_eval import DEFAULT_TEMPLATES, EvalError, evaluate_retrieval, evaluate_zero_shot
+
+    if (args.data is None) == (args.labels is None):
+        raise EvalError("eval needs --data CONFIG (retrieval) or --labels FILE (zero-shot), one of them")
+    # Progress lines from the data pipeline go to stderr: stdout carries only the results (pipeable JSON).
+    with contextlib.redirect_stdout(sys.stderr):
+        if args.labels is not None:
+            out = evaluate_zero_shot(args.model, args.labels, args.images, args.label_col,
+                                     args.template or DEFAULT_TEMPLATES, args.batch_size, args.workers)
+        else:
+            out = evaluate_retrieval(args.model, args.data, args.split, args.set, args.batch_size, args.workers)
+    if args.labels is not None:
+        keys = [k for k in out if k.startswith("top")]
+    else:
+        keys = [f"{d}_{m}" for d in ("t2i", "i2t") for m in ("r1", "r5", "r10", "medr")] + ["rsum", "loss"]
+    if args.json:
+        print_json(out)
+        return 0
+    head = {k: out[k] for k in ("split", "n_images", "n_captions", "n_classes") if k in out}
+    print("  ".join(f"{k}={v}" for k, v in head.items()))
+    for k in keys:
+        v = out[k]
+        print(f"{k:>10}  {v:.2f}" if k.endswith("medr") or k in ("rsum", "loss") else f"{k:>10}  {100 * v:.2f}%")
+    return 0
+
+
+# -- attention -------------------------------------------------------------------------------------------------
+def cmd_attention(args: argparse.Namespace) -> int:
+    import clip_mini
+    from clip_mini.attention import attention_map
+    from clip_mini.data import load_image
+    from clip_mini.embed import InputError
+    from clip_mini.viz import attention_overlay
+
+    if not 0.0 <= args.alpha <= 1.0:
+        raise InputError(f"--alpha must be in [0, 1], got {args.alpha}")
+    embedder = clip_mini.load(args.model)
+    image = load_image(args.image)
+    if embedder.model.preprocess.resize_mode == "center_crop":   # the patch grid covers the centre square only
+        h, w = image.shape[:2]
+        s = min(h, w)
+        image = image[(h - s) // 2:(h - s) // 2 + s, (w - s) // 2:(w - s) // 2 + s]
+    if embedder.model.visual.cfg.backbone != "vit":
+        raise InputError(f"attention maps need a ViT image tower; {args.model} uses "
+                                  f"{embedder.model.visual.cfg.backbone}")
+    heat = attention_map(embedder.model, embedder.transform(image), args.mode)
+    size = attention_overlay(image, heat, args.out, alpha=args.alpha, size=args.size or None)
+    print(f"attention ({args.mode}, {heat.shape[0]}x{heat.shape[1]} patches) -> {args.out} ({size[0]}x{size[1]})")
+    return 0

@@ -1,0 +1,62 @@
+"""Image files: finding them in a folder, and embedding them in batches with a progress bar.
+
+Shared by index builds (``clip_mini.index_build``) and zero-shot evaluation (``clip_mini.model_eval``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from clip_mini.index import EmbeddingIndexError
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+
+
+def scan_images(folder: str | Path) -> list[str]:
+    """Absolute paths of the image files under ``folder`` (recursive, by extension; hidden entries skipped)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise EmbeddingIndexError(f"image folder not found: {folder}")
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.join(root, f) for f in files
+                  if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS]
+    return sorted(os.path.abspath(p) for p in found)
+
+
+def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
+                        precision: str = "fp32", progress: bool = True, desc: str = "embedding images",
+                        ) -> Iterator[tuple[np.ndarray, np.ndarray, dict[int, str]]]:
+    """Embed image files in batches: yields ``(indices, features (b, d) float32, {index: reason} of failures)``."""
+    import torch
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+
+    from clip_mini.data import ImageDataset, ImageError, load_image
+
+    if precision not in ("fp32", "bf16"):
+        raise EmbeddingIndexError(f"precision must be fp32 or bf16, got {precision!r}")
+    loader = DataLoader(ImageDataset(paths, embedder.transform), batch_size=batch_size, num_workers=workers,
+                        shuffle=False)
+    model = embedder.model
+    with tqdm(total=len(paths), desc=desc, unit="img", disable=not progress) as bar, torch.inference_mode():
+        for pixels, idx, ok in loader:
+            bad = {}
+            for i in idx[~ok].tolist():
+                try:
+                    load_image(paths[i])
+                    bad[i] = "unreadable"
+                except (ImageError, OSError) as e:
+                    bad[i] = getattr(e, "reason", str(e))
+            feats = np.zeros((0, embedder.dim), np.float32)
+            if ok.any():
+                with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+                    out = model.encode_image(pixels[ok].to(embedder.device))
+                # Renormalise in fp32: bf16 rounding leaves rows slightly off the unit sphere.
+                feats = torch.nn.functional.normalize(out.float(), dim=-1).cpu().numpy()
+            bar.update(len(idx))
+            yield idx[ok].numpy(), feats, bad

@@ -1,0 +1,278 @@
+"""Building an index: incremental, resumable, streaming, shardable.
+
+``sync_index`` makes an index directory hold exactly a list of images (or adds to it):
+
+1. stat every file; rows whose path, size and mtime are unchanged keep their stored embedding;
+2. hash (sha256) the rest; content already embedded (a copy, a moved file, an unchanged file that was touched)
+   reuses that embedding, and identical new files are embedded once;
+3. embed what is left in batches, appending chunks of float16 rows to ``.work/`` as they finish, so a build
+   killed at any point resumes from its last chunk (chunks are keyed by content hash and model fingerprint);
+4. stream old rows and new chunks into a new ``embeddings-<gen>.npy`` (a memory map: memory stays bounded by
+   one block however large the index), then commit the generation (see ``clip_mini.index``).
+
+Rows are sorted by path, so incremental, resumed and sharded builds give the same index as one pass.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from clip_mini.image_files import iter_image_features
+from clip_mini.index import EmbeddingIndex, EmbeddingIndexError, commit, current_generation, writer_lock
+from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
+
+_BLOCK = 16384   # rows copied per step when writing a generation
+
+
+class _Work:
+    """``.work/``: chunks of embeddings computed by this (or an interrupted earlier) build, keyed by content hash."""
+
+    def __init__(self, index_dir: Path, fingerprint: str):
+        self.dir = index_dir / ".work"
+        if self.dir.is_dir() and _read_json(self.dir / "work.json").get("fingerprint") != fingerprint:
+            shutil.rmtree(self.dir)   # left by another model (or damaged): useless
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.dir / "work.json", {"fingerprint": fingerprint})
+        self.rows: dict[str, tuple[int, int]] = {}   # sha256 -> (chunk number, row)
+        self.bad: dict[str, str] = {}                # sha256 -> reason
+        self.chunks: list[np.ndarray] = []
+        self._next = 0
+        for j in sorted(self.dir.glob("chunk-*.json")):   # the .json is written last: present = chunk complete
+            self._next = max(self._next, int(j.stem.split("-")[1]) + 1)
+            rec = _read_json(j)
+            try:
+                emb = np.load(j.with_suffix(".npy"), mmap_mode="r", allow_pickle=False)
+                self._register(rec["hashes"], rec["bad"], emb)
+            except (KeyError, ValueError, OSError):
+                continue   # damaged chunk: its images are simply embedded again
+
+    def _register(self, hashes: list[str], bad: dict[str, str], emb: np.ndarray) -> None:
+        if len(hashes) != len(emb):
+            raise ValueError("chunk rows do not match its hashes")
+        n = len(self.chunks)
+        self.chunks.append(emb)
+        self.rows.update((h, (n, r)) for r, h in enumerate(hashes))
+        self.bad.update(bad)
+
+    def append(self, hashes: list[str], feats: np.ndarray, bad: dict[str, str]) -> None:
+        name = f"chunk-{self._next:06d}"
+        self._next += 1
+        emb = feats.astype(np.float16)
+        with atomic_path(self.dir / f"{name}.npy", suffix=".npy") as tmp:
+            np.save(tmp, emb, allow_pickle=False)
+        atomic_write_json(self.dir / f"{name}.json", {"hashes": hashes, "bad": bad})
+        self._register(hashes, bad, emb)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _stat(paths: Sequence[str]) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    stats, missing = {}, {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+            stats[p] = (st.st_size, st.st_mtime_ns)
+        except OSError as e:
+            missing[p] = "missing file" if isinstance(e, FileNotFoundError) else f"cannot stat: {e.strerror}"
+    return stats, missing
+
+
+def _hash_all(paths: list[str], progress: bool) -> tuple[dict[str, str], dict[str, str]]:
+    from tqdm import tqdm
+
+    hashes, failed = {}, {}
+    for p in tqdm(paths, desc="hashing new files", unit="file", disable=not progress or len(paths) < 1000):
+        try:
+            hashes[p] = sha256_file(p)
+        except OSError as e:
+            failed[p] = f"cannot read: {e.strerror or e}"
+    return hashes, failed
+
+
+def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Optional[dict[str, str]] = None,
+               prune: bool = True, batch_size: int = 64, workers: int = 0, precision: str = "fp32",
+               faiss: str = "auto", shard: Optional[tuple[int, int]] = None, flush_every: int = 1024,
+               source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True
+               ) -> EmbeddingIndex:
+    """Bring the index at ``path`` up to date with ``images``.
+
+    Args:
+        path: index directory (created if absent). With ``shard=(i, n)`` the shard's own index
+            ``path/shards/i-of-n`` is built from the images that fall into shard i; merge them with
+            ``index_shards.merge_indexes``.
+        embedder: ``clip_mini.load(model_dir)``; its fingerprint must match an existing index's.
+        images: image file paths (made absolute).
+        captions: optional ``{path: caption}`` stored with the rows.
+        prune: drop rows whose path is not in ``images`` (False: keep them, i.e. add).
+        batch_size, workers, precision: embedding batch size, DataLoader workers, "fp32" or "bf16" autocast.
+        faiss: "auto" (keep the index's faiss kind; build HNSW above ``search.FAISS_THRESHOLD`` rows when faiss is
+            installed), "none", "hnsw" or "ivf".
+        flush_every: images per resumable chunk (at most this much work is lost to a kill).
+        source: folder or captions file the images came from (recorded in the manifest).
+        model_dir: the model directory (recorded so ``clip-mini search`` finds the model by default).
+
+    Raises:
+        EmbeddingIndexError: no images, no usable image, an index built with another model, a busy index.
+    """
+    from clip_mini.index_shards import in_shard, shard_dir
+
+    path = Path(path) if shard is None else shard_dir(path, shard)
+    images = sorted(set(os.path.abspath(p) for p in images))
+    if shard is not None:
+        images = [p for p in images if in_shard(p, shard)]
+    if not images and shard is None:
+        raise EmbeddingIndexError(f"no images to index{f' in {source}' if source else ''}")
+    if embedder.fingerprint is None:
+        raise EmbeddingIndexError("the embedder has no model fingerprint: load it from a saved model directory")
+    captions = {os.path.abspath(k): v for k, v in (captions or {}).items()}
+    with writer_lock(path):
+        old = EmbeddingIndex.load(path) if (path / "manifest.json").is_file() else None
+        if old is not None:
+            old.check_model(embedder.fingerprint, "the model used for indexing")
+        rows, todo, skipped = _plan(old, images, captions, prune, progress)
+        work = _Work(path, embedder.fingerprint)
+        _embed_missing(embedder, todo, work, batch_size, workers, precision, flush_every, progress)
+        skipped.update({p: work.bad[h] for p, h in zip(rows["path"], rows["sha256"]) if h in work.bad})
+        keep = [i for i, h in enumerate(rows["sha256"]) if h not in work.bad]
+        rows = {c: [v[i] for i in keep] for c, v in rows.items()}
+        _write_skipped(path, skipped)
+        if not rows["path"] and shard is None:
+            raise EmbeddingIndexError(f"none of the {len(images)} images could be embedded (see {path}/skipped.csv)")
+        if progress and skipped:
+            print(f"index: skipped {len(skipped)} unusable images (see {path / 'skipped.csv'})")
+        kind = faiss_kind(faiss, old, len(rows["path"]))
+        if old is not None and _unchanged(old, rows, kind):
+            work.remove()
+            return old
+        meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": list(shard) if shard else None,
+                "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
+        index = _publish(path, old, work, rows, embedder.dim, meta, kind, progress)
+        work.remove()
+        return index
+
+
+def _publish(path: Path, old: Optional[EmbeddingIndex], work: "_Work", rows: dict[str, list], dim: int, meta: dict,
+             kind: Optional[str], progress: bool) -> EmbeddingIndex:
+    """Write the next generation from old rows and work chunks, then commit it."""
+    sources = [old.embeddings if old is not None else np.zeros((0, dim), np.float16)] + work.chunks
+    plan = [(0, r) if s == "old" else (1 + work.rows[h][0], work.rows[h][1])
+            for (s, r), h in zip(rows.pop("source"), rows["sha256"])]
+    generation = current_generation(path) + 1
+    write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, dim)
+    return commit(path, generation, rows, meta, kind, progress)
+
+
+def _plan(old: Optional[EmbeddingIndex], images: list[str], captions: dict[str, str], prune: bool,
+          progress: bool) -> tuple[dict[str, list], dict[str, str], dict[str, str]]:
+    """Decide each output row's source: ("old", row) or ("new", -1); returns rows, {sha: path} to embed, skipped."""
+    stats, skipped = _stat(images)
+    old_by_path = {p: i for i, p in enumerate(old.items["path"])} if old is not None else {}
+    old_by_hash = {h: i for i, h in enumerate(old.items["sha256"])} if old is not None else {}
+    if old is not None and not prune:   # adding: every old row stays unless its path is being re-indexed
+        for p, i in old_by_path.items():
+            if p not in stats and p not in skipped:
+                stats[p] = (old.items["size"][i], old.items["mtime_ns"][i])
+    unchanged = {p for p, st in stats.items() if p in old_by_path
+                 and (old.items["size"][old_by_path[p]], old.items["mtime_ns"][old_by_path[p]]) == st}
+    hashes, failed = _hash_all(sorted(set(stats) - unchanged), progress)
+    skipped.update(failed)
+    rows: dict[str, list] = {c: [] for c in ("path", "size", "mtime_ns", "sha256", "caption", "source")}
+    todo: dict[str, str] = {}
+    for p in sorted(set(stats) - set(failed)):
+        if p in unchanged:
+            i = old_by_path[p]
+            h, src = old.items["sha256"][i], ("old", i)
+        else:
+            h = hashes[p]
+            src = ("old", old_by_hash[h]) if h in old_by_hash else ("new", -1)
+            if src[0] == "new":
+                todo.setdefault(h, p)
+        default = old.items["caption"][old_by_path[p]] if p in old_by_path else ""
+        for c, v in zip(rows, (p, stats[p][0], stats[p][1], h, captions.get(p, default), src)):
+            rows[c].append(v)
+    return rows, todo, skipped
+
+
+def _embed_missing(embedder, todo: dict[str, str], work: _Work, batch_size: int, workers: int, precision: str,
+                   flush_every: int, progress: bool) -> None:
+    pending = [(h, p) for h, p in sorted(todo.items(), key=lambda hp: hp[1])
+               if h not in work.rows and h not in work.bad]
+    if not pending:
+        return
+    if progress and len(pending) < len(todo):
+        print(f"index: resuming, {len(todo) - len(pending)} of {len(todo)} new images already embedded")
+    hashes, feats, bad = [], [], {}
+    paths = [p for _, p in pending]
+    for idx, f, failed in iter_image_features(embedder, paths, batch_size, workers, precision, progress):
+        hashes += [pending[i][0] for i in idx]
+        feats.append(f)
+        bad.update({pending[i][0]: reason for i, reason in failed.items()})
+        if len(hashes) + len(bad) >= flush_every:
+            work.append(hashes, np.concatenate(feats), bad)
+            hashes, feats, bad = [], [], {}
+    if hashes or bad:
+        work.append(hashes, np.concatenate(feats), bad)
+
+
+def write_embeddings(out: Path, sources: list[np.ndarray], plan: list[tuple[int, int]], dim: int) -> None:
+    """Stream rows ``sources[s][r]`` for each ``(s, r)`` in ``plan`` into a new float16 .npy (atomically)."""
+    src = np.array([s for s, _ in plan], dtype=np.int64).reshape(-1)
+    row = np.array([r for _, r in plan], dtype=np.int64).reshape(-1)
+    with atomic_path(out, suffix=".npy") as tmp:
+        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(len(plan), dim))
+        for start in range(0, len(plan), _BLOCK):
+            s, r = src[start:start + _BLOCK], row[start:start + _BLOCK]
+            block = np.empty((len(s), dim), np.float16)
+            for k in np.unique(s):
+                sel = s == k
+                block[sel] = sources[k][r[sel]]
+            mm[start:start + len(s)] = block
+        mm.flush()
+        del mm
+
+
+def _unchanged(old: EmbeddingIndex, rows: dict[str, list], kind: Optional[str]) -> bool:
+    same_rows = [s for s in rows["source"]] == [("old", i) for i in range(len(old))]
+    return same_rows and all(rows[c] == old.items[c] for c in ("path", "size", "mtime_ns", "caption")) \
+        and kind == old.manifest.get("faiss_kind")
+
+
+def faiss_kind(faiss: str, old: Optional[EmbeddingIndex], count: int) -> Optional[str]:
+    from clip_mini import search as S
+
+    if faiss not in ("auto", "none", "hnsw", "ivf"):
+        raise EmbeddingIndexError(f"faiss must be auto, none, hnsw or ivf, got {faiss!r}")
+    if faiss == "none":
+        return None
+    if faiss != "auto":
+        if not S.faiss_available():
+            raise EmbeddingIndexError("faiss is not installed: pip install 'clip-mini[faiss]' (or --faiss none)")
+        return faiss
+    if old is not None and old.manifest.get("faiss_kind"):
+        return old.manifest["faiss_kind"]
+    return "hnsw" if count >= S.FAISS_THRESHOLD and S.faiss_available() else None
+
+
+def _write_skipped(path: Path, skipped: dict[str, str]) -> None:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["path", "reason"])
+    w.writerows(sorted(skipped.items()))
+    atomic_write_text(path / "skipped.csv", buf.getvalue())

@@ -1,0 +1,128 @@
+"""Scoring a saved model: retrieval on a dataset split, and zero-shot classification with prompt templates.
+
+The split is made by the same ``load_table`` + ``split_by_image`` calls as the trainer, from the same config, and
+scored by the trainer's ``clip_mini.evaluate`` functions, so ``clip-mini eval`` reproduces the numbers in a run's
+``metrics.jsonl``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+DEFAULT_TEMPLATES = ("a photo of a {}.",)
+
+
+class EvalError(ValueError):
+    """An evaluation request cannot be served (empty split, unknown labels, no images); the message says why."""
+
+
+def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
+                      progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Embed image files; returns (features (n_ok, d) float32, indices of the readable files into ``paths``)."""
+    from clip_mini.image_files import iter_image_features
+
+    feats, keep = [np.zeros((0, embedder.dim), np.float32)], [np.zeros(0, np.int64)]
+    for idx, f, bad in iter_image_features(embedder, list(paths), batch_size, workers, progress=progress):
+        feats.append(f)
+        keep.append(idx.astype(np.int64))
+        for i, reason in bad.items():
+            print(f"eval: skipping unreadable image {paths[i]}: {reason}")
+    return np.concatenate(feats), np.concatenate(keep)
+
+
+def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: str = "test",
+                       overrides: Optional[list[str]] = None, batch_size: int = 64, workers: int = 0,
+                       progress: bool = True) -> dict:
+    """Multi-caption recall@1/5/10 both ways, median rank and contrastive loss of a model on one split.
+
+    The split comes from the trainer's ``load_splits`` and the scores from its ``evaluate_model`` (which calls
+    ``clip_mini.evaluate.retrieval_metrics``), so the numbers are the ones the trainer logs for that split.
+
+    Raises:
+        EvalError: unknown or empty split.
+    """
+    import clip_mini
+    from clip_mini.config import load_config
+    from clip_mini.train.evaluation import evaluate_model
+    from clip_mini.train.inputs import load_splits
+
+    if split not in ("train", "val", "test"):
+        raise EvalError(f"--split must be train, val or test, got {split!r}")
+    cfg = load_config(config, overrides)
+    df = load_splits(cfg, progress=progress)[split]
+    if len(df) == 0:
+        raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split, None)}); "
+                        f"choose another --split or set data.{split}")
+    embedder = clip_mini.load(model_dir, batch_size=batch_size)
+    if progress:
+        print(f"eval: {df['image_id'].nunique()} images, {len(df)} captions ({split})", file=sys.stderr)
+    metrics = evaluate_model(embedder.model, df, embedder.transform, batch_size=batch_size, workers=workers)
+    return {"split": split, "n_images": int(df["image_id"].nunique()), "n_captions": len(df), **metrics}
+
+
+def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str]) -> np.ndarray:
+    """One L2-normalised row per class: the mean of its normalised template embeddings (as in CLIP)."""
+    for t in templates:
+        if "{}" not in t:
+            raise EvalError(f"prompt template {t!r} has no {{}} for the class name")
+    prompts = [t.format(c) for c in classes for t in templates]
+    feats = encoder.encode_text(prompts).reshape(len(classes), len(templates), -1).mean(1)
+    return feats / np.linalg.norm(feats, axis=1, keepdims=True)
+
+
+def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_col: str = "label"
+                ) -> tuple[list[str], list[str], list[int]]:
+    """Ground truth for zero-shot classification: ``(classes, image paths, class index per image)``.
+
+    Args:
+        labels: a ``.txt`` file of class names (one per line) with ``images`` an ImageFolder (one subfolder per
+            class, named as in the file); or a CSV with an ``image`` column and ``label_col`` (classes = the
+            sorted distinct labels; image paths resolve as for a captions file).
+    """
+    labels = Path(labels)
+    if not labels.is_file():
+        raise EvalError(f"labels file not found: {labels}")
+    if labels.suffix.lower() == ".csv":
+        from clip_mini.data import read_captions
+
+        df, _ = read_captions(labels, image_root=images, fmt="csv", caption_col=label_col)
+        df = df.drop_duplicates("path")
+        classes = sorted(df["caption"].unique())
+        index = {c: i for i, c in enumerate(classes)}
+        return classes, df["path"].tolist(), [index[c] for c in df["caption"]]
+    from clip_mini.image_files import scan_images
+
+    classes = [ln.strip() for ln in labels.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if images is None:
+        raise EvalError(f"{labels} lists class names: give --images FOLDER with one subfolder per class")
+    paths, targets = [], []
+    for i, name in enumerate(classes):
+        folder = Path(images) / name
+        found = scan_images(folder) if folder.is_dir() else []
+        paths += found
+        targets += [i] * len(found)
+    if not paths:
+        raise EvalError(f"no images in class subfolders of {images} named as in {labels} (e.g. {classes[:3]})")
+    return classes, paths, targets
+
+
+def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Optional[str | Path] = None,
+                       label_col: str = "label", templates: Sequence[str] = DEFAULT_TEMPLATES,
+                       batch_size: int = 64, workers: int = 0, progress: bool = True) -> dict:
+    """Top-1/top-5 zero-shot accuracy: each image gets the class whose prompt embedding is nearest."""
+    import clip_mini
+    from clip_mini.evaluate import zero_shot_accuracy
+
+    classes, paths, targets = read_labels(labels, images, label_col)
+    if len(classes) < 2:
+        raise EvalError(f"{labels}: zero-shot classification needs at least 2 classes, found {classes}")
+    embedder = clip_mini.load(model_dir, batch_size=batch_size)
+    class_features = class_text_features(embedder, classes, templates)
+    image_features, ok = embed_image_files(embedder, paths, batch_size, workers, progress)
+    acc = zero_shot_accuracy(image_features, class_features, np.asarray(targets)[ok])
+    return {"n_images": int(len(ok)), "n_classes": len(classes), "templates": list(templates), **acc,
+            "labels": os.fspath(labels)}

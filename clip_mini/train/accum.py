@@ -1,0 +1,113 @@
+"""Forward and backward for one optimiser step, with contrastive-aware gradient accumulation.
+
+Averaging the gradients of k micro-batches would train on k small contrastive problems (each caption meets only
+B - 1 negatives). Instead, as open_clip's ``accum_freq`` does, the features of all k micro-batches are first
+computed without gradient; then each micro-batch is re-forwarded with gradient and the loss over the whole
+accumulated batch is built from its fresh features and the cached ones of the others. The k backward passes
+add up to exactly the gradient of the loss of one batch of k * B pairs.
+
+Two details make the sum exact where open_clip's is not:
+
+* ``logit_scale`` enters every one of the k losses, so its gradient would be counted k times; it is detached in
+  all but the last re-forward.
+* dropout draws new masks on the second forward; the RNG state of each micro-batch's first forward is restored
+  for its re-forward, so the fresh features equal the cached ones.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+Batch = dict[str, torch.Tensor]
+
+
+class FeatureModel(nn.Module):
+    """Thin wrapper that DDP wraps: ``forward`` returns ``(image_features, text_features, scale)``.
+
+    DDP only tracks parameters used through its own ``forward``, so the two encoders are reached from here
+    rather than by calling ``model.encode_image`` on the unwrapped model.
+    """
+
+    def __init__(self, clip: nn.Module):
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        image_features = self.clip.encode_image(pixels)                       # (B, E)
+        text_features = self.clip.encode_text(input_ids, attention_mask)      # (B, E)
+        return image_features, text_features, self.clip.scale()
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast context for ``precision == "bf16"``, a no-op context for fp32."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def _rng_get(device: torch.device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _rng_set(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _features(model: nn.Module, batch: Batch, device: torch.device, precision: str):
+    with autocast(device, precision):
+        image_features, text_features, scale = model(batch["pixels"], batch["input_ids"], batch["attention_mask"])
+    # The loss (softmax over up to a few thousand logits) is computed in fp32 whatever the tower precision.
+    return image_features.float(), text_features.float(), scale.float()
+
+
+def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable, device: torch.device,
+                     precision: str = "fp32") -> torch.Tensor:
+    """Run forward and backward for one optimiser step; gradients are accumulated into ``.grad``.
+
+    Args:
+        model: ``FeatureModel`` (optionally wrapped in DDP).
+        batches: the step's micro-batches (dicts from ``CaptionCollate``, already on ``device``).
+        loss_fn: ``ClipLoss`` (gathers across ranks) or any ``f(image_features, text_features, scale, ids)``.
+        device: where the batches live (selects the autocast and RNG flavour).
+        precision: "fp32" or "bf16" (autocast for the towers).
+
+    Returns:
+        The loss of the whole (accumulated, and under DDP global) batch, detached.
+    """
+    if len(batches) == 1:
+        b = batches[0]
+        image_features, text_features, scale = _features(model, b, device, precision)
+        loss = loss_fn(image_features, text_features, scale, b["image_ids"])
+        loss.backward()
+        return loss.detach()
+
+    # 1) Features of every micro-batch without gradient: the negatives each re-forward is contrasted with.
+    rng_states, cached_image, cached_text = [], [], []
+    with torch.no_grad():
+        for b in batches:
+            rng_states.append(_rng_get(device))
+            image_features, text_features, _ = _features(model, b, device, precision)
+            cached_image.append(image_features)
+            cached_text.append(text_features)
+    rng_after = _rng_get(device)
+    image_ids = torch.cat([b["image_ids"] for b in batches])
+
+    # 2) Re-forward each micro-batch with gradient (same dropout masks) and back-propagate the full-batch loss
+    #    through its own features only. DDP synchronises gradients on the last backward alone.
+    last = len(batches) - 1
+    for j, b in enumerate(batches):
+        _rng_set(rng_states[j], device)
+        sync = model.no_sync() if j < last and hasattr(model, "no_sync") else nullcontext()
+        with sync:
+            image_features, text_features, scale = _features(model, b, device, precision)
+            if j < last:
+                scale = scale.detach()   # logit_scale's gradient is taken once, in the last pass
+            all_image = torch.cat(cached_image[:j] + [image_features] + cached_image[j + 1:])   # (k*B, E)
+            all_text = torch.cat(cached_text[:j] + [text_features] + cached_text[j + 1:])       # (k*B, E)
+            loss = loss_fn(all_image, all_text, scale, image_ids)
+            loss.backward()
+    _rng_set(rng_after, device)
+    return loss.detach()

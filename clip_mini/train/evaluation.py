@@ -1,0 +1,92 @@
+"""Validation: contrastive loss and multi-caption retrieval metrics of a model on a split table.
+
+Each image is embedded once and each caption once (eval mode, ``inference_mode``); the loss and the recall
+metrics are then computed from those features, so evaluation costs one forward pass over the split.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import torch
+
+from clip_mini.evaluate import retrieval_metrics
+from clip_mini.loss import clip_loss
+from clip_mini.train.accum import autocast
+
+
+def _image_features(model, paths: list[str], transform, cache, batch_size: int, device: torch.device,
+                    precision: str, workers: int) -> torch.Tensor:
+    from torch.utils.data import DataLoader
+
+    from clip_mini.data import ImageDataset
+
+    loader = DataLoader(ImageDataset(paths, transform, cache), batch_size=batch_size, num_workers=workers,
+                        generator=torch.Generator())   # never moves the global RNG (exact resume)
+    out = []
+    for pixels, _, ok in loader:
+        with autocast(device, precision):
+            feats = model.encode_image(pixels.to(device)).float()
+        out.append(feats * ok.to(device)[:, None])   # an unreadable image gets a zero vector: it never hits
+    return torch.cat(out)
+
+
+def _text_features(model, captions: list[str], batch_size: int, device: torch.device,
+                   precision: str) -> torch.Tensor:
+    out = []
+    for s in range(0, len(captions), batch_size):
+        tokens = model.tokenize(captions[s:s + batch_size])
+        with autocast(device, precision):
+            feats = model.encode_text(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
+        out.append(feats.float())
+    return torch.cat(out)
+
+
+def _val_loss(image_features: torch.Tensor, text_features: torch.Tensor, image_ids: np.ndarray,
+              scale: torch.Tensor, batch_size: int) -> float:
+    """Mean contrastive loss over batches built like training batches (one caption per image where possible).
+
+    Captions are ordered by (occurrence within their image, image), so a batch holds the k-th captions of
+    ``batch_size`` different images; the few same-image pairs at boundaries are masked by ``clip_loss``.
+    """
+    occurrence = pd.Series(image_ids).groupby(image_ids).cumcount().to_numpy()
+    order = np.lexsort((image_ids, occurrence))
+    total, count = 0.0, 0
+    for s in range(0, len(order), batch_size):
+        rows = torch.as_tensor(order[s:s + batch_size])
+        if len(rows) < 2:
+            continue   # a single pair has no negatives
+        ids = torch.as_tensor(image_ids[order[s:s + batch_size]], device=image_features.device)
+        loss = clip_loss(image_features[ids], text_features[rows.to(text_features.device)], scale, ids)
+        total += loss.item() * len(rows)
+        count += len(rows)
+    return total / max(count, 1)
+
+
+@torch.inference_mode()
+def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, cache=None,
+                   device: Optional[torch.device] = None, precision: str = "fp32", workers: int = 0
+                   ) -> dict[str, float]:
+    """Validation loss and retrieval metrics of ``model`` on a split table.
+
+    Args:
+        model: a ``CLIPModel`` (left in eval mode; the caller restores training mode).
+        df: split table with ``path``, ``caption`` and dense ``image_id`` (as ``split_by_image`` returns).
+        transform: the eval transform (``build_eval_transform(model.preprocess)``).
+        batch_size: images / captions per forward pass, and pairs per loss batch.
+        cache: optional ``ImageCache`` matching the transform's size.
+        device, precision, workers: where and how to run.
+
+    Returns:
+        ``loss`` plus ``retrieval_metrics`` keys (``t2i_r1`` ... ``i2t_medr``, ``rsum``).
+    """
+    device = device or next(model.parameters()).device
+    model.eval()
+    ids = df["image_id"].to_numpy(dtype=np.int64)
+    paths = df.drop_duplicates("image_id").sort_values("image_id")["path"].tolist()   # row j = image j
+    image_features = _image_features(model, paths, transform, cache, batch_size, device, precision, workers)
+    text_features = _text_features(model, df["caption"].astype(str).tolist(), batch_size, device, precision)
+    metrics = {"loss": _val_loss(image_features, text_features, ids, model.scale().float(), batch_size)}
+    metrics.update(retrieval_metrics(image_features.cpu(), text_features.cpu(), torch.from_numpy(ids.copy())))
+    return metrics

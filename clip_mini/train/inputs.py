@@ -1,0 +1,119 @@
+"""Training inputs: the split tables, and per-epoch loaders whose batches depend only on (seed, epoch, position).
+
+Exact resume needs every batch to be reproducible from where the run stopped. The sampler's order already
+depends only on ``(seed, epoch)``; the random crop and colour jitter are made so too by reseeding the
+augmentation for every sample from ``(seed, epoch, row)``, whatever process (main or DataLoader worker) draws
+it and however many samples that process drew before. A resumed epoch then simply starts its batch list at the
+step it stopped at.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from clip_mini.config import Config, PreprocessConfig
+
+
+def load_splits(cfg: Config, report_dir: Optional[str | Path] = None, progress: bool = True
+                ) -> dict[str, pd.DataFrame]:
+    """Read and check the captions (``skipped.csv`` into ``report_dir``), then split by image."""
+    from clip_mini.data import load_table, split_by_image
+
+    d = cfg.data
+    df = load_table(d, report_dir=report_dir, progress=progress)
+    return split_by_image(df, val=d.val, test=d.test, seed=d.seed, val_list=d.val_list, test_list=d.test_list)
+
+
+def make_image_cache(cfg: Config, pre: PreprocessConfig, splits: dict[str, pd.DataFrame]):
+    """The decoded-image cache for every split's images (None when ``data.cache`` is off or the disk is full)."""
+    from clip_mini.data import make_cache
+
+    return make_cache(cfg.data, pre, sum(df["path"].nunique() for df in splits.values()))
+
+
+class SeededAugment:
+    """Callable transform that reseeds the albumentations pipeline before each image.
+
+    ``key`` is set by ``EpochDataset`` just before the wrapped dataset calls the transform.
+    """
+
+    def __init__(self, transform):
+        self.compose = transform.compose   # albumentations Compose inside clip_mini.data's ImageTransform
+        self.key: int = 0
+
+    def __call__(self, image: np.ndarray) -> torch.Tensor:
+        self.compose.set_random_seed(self.key)
+        return self.compose(image=image)["image"].contiguous()   # (3, S, S) float32
+
+
+class EpochDataset(Dataset):
+    """A ``CaptionDataset`` whose augmentation for row i in epoch e is seeded by ``(seed, e, i)``."""
+
+    def __init__(self, dataset, augment: SeededAugment, seed: int):
+        self.dataset, self.augment, self.seed, self.epoch = dataset, augment, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        # SeedSequence mixes the three numbers well; 2**31 keeps the seed valid for every albumentations RNG.
+        self.augment.key = int(np.random.SeedSequence([self.seed, self.epoch, i]).generate_state(1)[0] % 2**31)
+        return self.dataset[i]
+
+
+@dataclass
+class TrainInputs:
+    dataset: EpochDataset
+    sampler: "object"          # clip_mini.data.OneCaptionPerImageSampler
+    collate: "object"          # clip_mini.data.CaptionCollate
+    micro_batch: int
+    accum_freq: int
+    workers: int
+    steps_per_epoch: int
+
+    def loader(self, epoch: int, start_step: int = 0) -> Iterator[list[dict]]:
+        """Yield the steps of ``epoch`` from ``start_step`` on; each step is a list of ``accum_freq`` micro-batches.
+
+        Incomplete last steps are dropped, so every step has the same global batch (a smaller batch would mean
+        fewer negatives and a differently scaled loss).
+        """
+        self.sampler.set_epoch(epoch)
+        self.dataset.epoch = epoch
+        rows = self.sampler.indices()
+        per_step = self.micro_batch * self.accum_freq
+        micro = [rows[s:s + self.micro_batch].tolist()
+                 for s in range(start_step * per_step, self.steps_per_epoch * per_step, self.micro_batch)]
+        if not micro:
+            return
+        # A private generator: DataLoader draws a base seed per iterator, which must not move the global RNG
+        # (a resumed epoch creates its iterator at a different point of the stream).
+        loader = DataLoader(self.dataset, batch_sampler=micro, collate_fn=self.collate, num_workers=self.workers,
+                            generator=torch.Generator().manual_seed(epoch), pin_memory=torch.cuda.is_available(),
+                            prefetch_factor=4 if self.workers else None)
+        step = []
+        for batch in loader:
+            step.append(batch)
+            if len(step) == self.accum_freq:
+                yield step
+                step = []
+
+
+def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tokenizer, max_length: int,
+                       rank: int = 0, world_size: int = 1, cache=None) -> TrainInputs:
+    """Dataset, sampler and collate for the training split; ``steps_per_epoch`` is this rank's count."""
+    from clip_mini.data import CaptionCollate, CaptionDataset, OneCaptionPerImageSampler, build_train_transform
+
+    augment = SeededAugment(build_train_transform(pre, cfg.data))
+    dataset = EpochDataset(CaptionDataset(df, augment, cache=cache), augment, cfg.train.seed)
+    sampler = OneCaptionPerImageSampler(df["image_id"].tolist(), seed=cfg.train.seed, rank=rank,
+                                        world_size=world_size)
+    t = cfg.train
+    steps = len(sampler) // (t.batch_size * t.accum_freq)
+    return TrainInputs(dataset, sampler, CaptionCollate(tokenizer, max_length), t.batch_size, t.accum_freq,
+                       cfg.data.workers, steps)

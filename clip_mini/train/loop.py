@@ -1,0 +1,269 @@
+"""The training loop: ``train(cfg)`` reads top to bottom, one commented stage after another (as nanoGPT's).
+
+Stages: set-up (processes, run dir, data, tokenizer, model, optimiser), resume, then per step: set lr,
+forward/backward (with contrastive accumulation), clip, guard against non-finite values, step, log, checkpoint;
+per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and a summary table.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from clip_mini.config import Config, save_config
+from clip_mini.loss import ClipLoss
+from clip_mini.train import checkpoint as ckpt_io
+from clip_mini.train.accum import FeatureModel, forward_backward
+from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
+                                   warn_config_changes)
+from clip_mini.train.distributed import all_min, barrier, cleanup, default_threads, init_distributed
+from clip_mini.train.evaluation import evaluate_model
+from clip_mini.train.inputs import build_train_inputs, load_splits, make_image_cache
+from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_table, write_curves
+from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, set_lr, set_train_mode
+
+
+def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] = None) -> dict:
+    """Train a model as ``cfg`` says, writing the run directory ``cfg.train.out_dir``.
+
+    Args:
+        cfg: a validated ``Config``.
+        resume: None (fresh run), ``"auto"`` (newest intact checkpoint of the run, fresh if none) or a path.
+        stop_after: checkpoint and return once this many steps are done (a pause; resume continues exactly).
+
+    Returns:
+        ``{"run_dir", "step", "epoch", "best_metric", "best_value", "val", "stopped", "time_s"}``.
+    """
+    check_train_config(cfg)
+    owns_group = not torch.distributed.is_initialized()
+    info = init_distributed()
+    try:
+        return _train(cfg, info, resume, stop_after)
+    finally:
+        if owns_group:
+            cleanup()
+
+
+def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) -> dict:
+    # -- set-up: threads, run directory, resume point --------------------------------------------------------
+    t, main, device = cfg.train, info.is_main, info.device
+    torch.set_num_threads(t.threads or default_threads(info))
+    run, t0 = Path(t.out_dir), time.time()
+    ckpt_path = ckpt_io.resolve_resume(resume, run)
+    ckpt = ckpt_io.load_checkpoint(ckpt_path) if ckpt_path else None
+    check_run_dir(run, resuming=ckpt is not None)
+    if main:
+        run.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run / "config.yaml")
+        if ckpt:
+            print(f"resuming from {ckpt_path} (step {ckpt['step']})")
+            warn_config_changes(ckpt["config"], cfg)
+
+    # -- data and tokenizer (trained on the TRAIN captions only; saved once, read by every rank) -------------
+    splits = load_splits(cfg, report_dir=run if main else None, progress=main)
+    if main:
+        prepare_tokenizer(cfg, run, splits["train"]["caption"].tolist(), ckpt_path)
+    barrier()
+
+    # -- model, optimiser, inputs ----------------------------------------------------------------------------
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, run / "tokenizer", load_pretrained=ckpt is None).to(device)
+    frozen = freeze_towers(model)
+    optimizer = build_optimizer(model, t)
+    features = FeatureModel(model)
+    if info.distributed:
+        features = torch.nn.parallel.DistributedDataParallel(
+            features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    loss_fn = ClipLoss()
+    cache = make_image_cache(cfg, model.preprocess, splits)
+    inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer, model.cfg.text.max_length,
+                                info.rank, info.world_size, cache)
+    steps_per_epoch = all_min(inputs.steps_per_epoch, device)
+    global_batch = t.batch_size * t.accum_freq * info.world_size
+    if steps_per_epoch == 0:
+        raise TrainError(f"the train split has {splits['train']['image_id'].nunique()} images, fewer than one "
+                         f"batch of {global_batch}; lower train.batch_size or train.accum_freq")
+    total = min(t.epochs * steps_per_epoch, t.max_steps or math.inf)
+    eval_transform = _eval_transform(model)
+
+    # -- resume or evaluate the untrained model --------------------------------------------------------------
+    state = {"step": 0, "epoch": 0, "pos": 0, "best": None, "bad_steps": 0, "epoch_loss": [0.0, 0]}
+    log = MetricsLog(run / "metrics.jsonl")
+    if ckpt:
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            state.update({k: ckpt[k] for k in state})
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
+                                          f"differ; see the warning above): {e}") from None
+        ckpt_io.set_rng_state(ckpt["rng"])   # last: building the model above drew from the RNG
+        log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
+    elif main:
+        _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, 0.0)
+    if main:
+        print(f"train: {len(splits['train'])} captions / {splits['train']['image_id'].nunique()} images, "
+              f"{steps_per_epoch} steps/epoch of {global_batch} pairs, {total} steps; "
+              f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
+
+    saved_at = [-1]   # step of the last checkpoint written by this process
+
+    def save_state() -> None:
+        saved_at[0] = state["step"]
+        if main:
+            ckpt_io.save_checkpoint(run / "checkpoints", {
+                **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "rng": ckpt_io.rng_state(), "config": cfg.to_dict(), "total_steps": total}, t.keep_checkpoints)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    stopped = False
+    while state["epoch"] < t.epochs and state["step"] < total and not stopped:
+        epoch = state["epoch"]
+        set_train_mode(model, True)
+        bar = tqdm(total=steps_per_epoch, initial=state["pos"], desc=f"epoch {epoch + 1}/{t.epochs}",
+                   disable=not main, dynamic_ncols=True, leave=True)
+        window = _Window()
+        for micro in inputs.loader(epoch, state["pos"]):
+            window.data_ready()
+            # set lr: warmup + cosine, a pure function of the step
+            lr = set_lr(optimizer, lr_factor(state["step"], total, t.warmup_steps, t.min_lr_ratio))
+            # forward / backward over the whole accumulated (and, distributed, global) batch
+            micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micro]
+            loss = forward_backward(features, micro, loss_fn, device, t.precision)
+            # clip, and guard: a non-finite loss or gradient is never applied
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or math.inf)
+            if torch.isfinite(loss) and torch.isfinite(grad_norm):
+                optimizer.step()
+                model.clamp_logit_scale()
+                state["bad_steps"] = 0
+                state["epoch_loss"] = [state["epoch_loss"][0] + loss.item(), state["epoch_loss"][1] + 1]
+            else:
+                _skip_step(state, loss, grad_norm, t.max_bad_steps, main)
+            optimizer.zero_grad(set_to_none=True)
+            state["step"] += 1
+            state["pos"] += 1
+            # log
+            window.step_done(loss.item(), global_batch)
+            if main and (state["step"] % t.log_every == 0 or state["pos"] == steps_per_epoch):
+                row = window.row(state, lr, model.scale().item(), grad_norm.item())
+                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{lr:.1e}", scale=f"{row['logit_scale']:.1f}",
+                                pairs_s=f"{row['pairs_per_s']:.0f}")
+                log.add(row)
+                log.flush()
+            bar.update(1)
+            # checkpoint; pause
+            if t.checkpoint_every and state["step"] % t.checkpoint_every == 0:
+                save_state()
+            if stop_after is not None and stop_after <= state["step"] < total:
+                stopped = True
+                break
+            if state["step"] >= total:
+                break
+        bar.close()
+        if stopped:
+            break
+        # -- end of epoch: evaluate, keep the best model, checkpoint ---------------------------------------------
+        if main:
+            val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1,
+                            time.time() - t0)
+            if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
+                state["best"] = val[metric_key(t.best_metric)]
+                model.save_pretrained(run / "best", extra={"trained": _provenance(state["step"], epoch + 1, val)})
+        barrier()
+        set_train_mode(model, True)
+        state.update(epoch=epoch + 1, pos=0, epoch_loss=[0.0, 0])
+        save_state()
+
+    # -- finish: final model directory and summary (or, when pausing, just the checkpoint) --------------------
+    if stopped:
+        if saved_at[0] != state["step"]:
+            save_state()
+    elif main:
+        model.save_pretrained(run / "final", extra={"trained": _provenance(state["step"], state["epoch"], _last_val(log))})
+        print(summary_table(log.rows, t.best_metric))
+        print(f"best {t.best_metric} = {state['best']}; model directories: {run / 'best'}, {run / 'final'} "
+              f"({time.time() - t0:.0f} s)")
+    barrier()
+    return {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
+            "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0}
+
+
+# -- helpers --------------------------------------------------------------------------------------------------
+class _Window:
+    """Loss, throughput and data-wait time over the steps since the last log row."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.losses, self.pairs, self.wait, self.start = [], 0, 0.0, self.last
+
+    def data_ready(self) -> None:
+        now = time.perf_counter()
+        self.wait += now - self.last   # time between the end of the last step and this batch's arrival
+        self.last = now
+
+    def step_done(self, loss: float, pairs: int) -> None:
+        if math.isfinite(loss):
+            self.losses.append(loss)
+        self.pairs += pairs
+        self.last = time.perf_counter()
+
+    def row(self, state: dict, lr: float, logit_scale: float, grad_norm: float) -> dict:
+        elapsed = max(self.last - self.start, 1e-9)
+        row = {"kind": "step", "step": state["step"], "epoch": state["epoch"] + 1,
+               "loss": sum(self.losses) / len(self.losses) if self.losses else None, "lr": lr,
+               "logit_scale": logit_scale, "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+               "pairs_per_s": self.pairs / elapsed, "data_wait": self.wait / elapsed}
+        self._reset()
+        return row
+
+
+def _skip_step(state: dict, loss: torch.Tensor, grad_norm: torch.Tensor, max_bad: int, main: bool) -> None:
+    state["bad_steps"] += 1
+    what = f"loss {loss.item()}" if not torch.isfinite(loss) else f"gradient norm {grad_norm.item()}"
+    if main:
+        warnings.warn(f"step {state['step'] + 1}: non-finite {what}; update skipped "
+                      f"({state['bad_steps']} in a row)", RuntimeWarning, stacklevel=2)
+    if state["bad_steps"] >= max_bad:
+        raise TrainError(f"stopped at step {state['step'] + 1}: {state['bad_steps']} steps in a row had a "
+                         "non-finite loss or gradient (train.max_bad_steps). Lower train.lr, use "
+                         "train.precision=fp32 or check the data, then continue with --resume auto")
+
+
+def _eval_transform(model):
+    from clip_mini.data import build_eval_transform
+
+    return build_eval_transform(model.preprocess)
+
+
+def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog, state: dict, epoch_done: int,
+              elapsed: float) -> dict:
+    """Evaluate on the validation split, add the epoch row, rewrite ``metrics.jsonl`` and ``curves.png``."""
+    t = cfg.train
+    val = evaluate_model(model, df, transform, batch_size=t.eval_batch_size, cache=cache, device=device,
+                         precision=t.precision, workers=cfg.data.workers)
+    total, n = state["epoch_loss"]
+    log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
+             **{f"val_{k}": v for k, v in val.items()}, "time_s": elapsed})
+    log.flush()
+    write_curves(log.rows, log.path.parent / "curves.png")
+    tqdm.write(f"epoch {epoch_done}: val loss {val['loss']:.4f}  t2i R@1/5/10 {val['t2i_r1']:.3f}/"
+               f"{val['t2i_r5']:.3f}/{val['t2i_r10']:.3f}  i2t R@1/5/10 {val['i2t_r1']:.3f}/{val['i2t_r5']:.3f}/"
+               f"{val['i2t_r10']:.3f}  medr {val['t2i_medr']:.0f}/{val['i2t_medr']:.0f}")
+    return val
+
+
+def _last_val(log: MetricsLog) -> dict:
+    epochs = log.epochs()
+    return {k[4:]: v for k, v in epochs[-1].items() if k.startswith("val_")} if epochs else {}
+
+
+def _provenance(step: int, epoch: int, val: dict) -> dict:
+    return {"step": step, "epoch": epoch, "val": val}

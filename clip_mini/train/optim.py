@@ -1,0 +1,104 @@
+"""Optimiser set-up: tower freezing (LiT-style), AdamW parameter groups, warmup + cosine learning-rate schedule.
+
+Groups: image tower, text tower and heads (projection heads + ``logit_scale``) each get their own learning rate
+(``train.lr_image`` / ``lr_text`` / ``lr_head``, falling back to ``train.lr``), and each is split into a decayed
+and a non-decayed part. Biases, norm weights, the CLS token, positional embeddings and ``logit_scale`` are never
+weight-decayed: decay would pull them towards zero, which has no regularising meaning for them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from clip_mini.config import TrainConfig
+
+# Parameter names (substrings) that are never decayed even when they are matrices.
+NO_DECAY_NAMES = ("cls_token", "pos_embed", "position_embeddings", "logit_scale")
+
+
+def freeze_towers(model: nn.Module) -> list[str]:
+    """Switch off gradients for towers whose config says ``trainable: false``; returns the frozen tower names.
+
+    The projection heads always train: they are freshly initialised, so a locked tower still needs its head
+    to map into the shared space (LiT locks the image tower and trains the text side against it).
+    """
+    frozen = []
+    for name, tower, tower_cfg in (("image", model.visual, model.cfg.vision), ("text", model.text, model.cfg.text)):
+        if not tower_cfg.trainable:
+            tower.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def set_train_mode(model: nn.Module, training: bool = True) -> None:
+    """``model.train(training)``, but frozen towers stay in eval mode (no dropout noise in a locked tower)."""
+    model.train(training)
+    if training:
+        for tower, tower_cfg in ((model.visual, model.cfg.vision), (model.text, model.cfg.text)):
+            if not tower_cfg.trainable:
+                tower.eval()
+
+
+def _no_decay(name: str, param: nn.Parameter) -> bool:
+    return param.ndim < 2 or any(key in name for key in NO_DECAY_NAMES)
+
+
+def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+    """AdamW groups ``{name, params, lr, base_lr, weight_decay}``; empty groups and frozen parameters are left out.
+
+    Args:
+        model: a ``CLIPModel`` (its ``visual``, ``text``, heads and ``logit_scale``).
+        cfg: learning rates and weight decay.
+    """
+    towers = {"image": (model.visual, cfg.lr_image), "text": (model.text, cfg.lr_text)}
+    seen: set[int] = set()
+    groups = []
+    for tower, (module, lr) in towers.items():
+        named = [(n, p) for n, p in module.named_parameters()]
+        groups += _split(tower, named, cfg.lr if lr is None else lr, cfg.weight_decay)
+        seen.update(id(p) for _, p in named)
+    # Everything else (projection heads, logit_scale) is the "head" group.
+    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in seen]
+    groups += _split("head", rest, cfg.lr if cfg.lr_head is None else cfg.lr_head, cfg.weight_decay)
+    return groups
+
+
+def _split(tower: str, named: list, lr: float, weight_decay: float) -> list[dict]:
+    decay = [p for n, p in named if p.requires_grad and not _no_decay(n, p)]
+    no_decay = [p for n, p in named if p.requires_grad and _no_decay(n, p)]
+    out = []
+    for suffix, params, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
+        if params:
+            out.append({"name": f"{tower}.{suffix}", "params": params, "lr": lr, "base_lr": lr,
+                        "weight_decay": wd})
+    return out
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over ``param_groups``; raises ``ValueError`` when nothing is trainable."""
+    groups = param_groups(model, cfg)
+    if not groups:
+        raise ValueError("no trainable parameters: both towers frozen and no heads?")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> float:
+    """Multiplier of the base learning rate at ``step`` (0-based): linear warmup, then cosine to ``min_ratio``.
+
+    Warmup reaches 1.0 on step ``warmup_steps - 1``; the cosine then decays to ``min_ratio`` at
+    ``total_steps - 1``. A pure function of the step, so the schedule needs no state to resume.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - 1 - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, factor: float) -> float:
+    """Scale every group's ``base_lr`` by ``factor``; returns the largest resulting learning rate (for logs)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * factor
+    return max(group["lr"] for group in optimizer.param_groups)

@@ -1,0 +1,171 @@
+"""Pictures: search result grids, attention overlays, training curves. Every PNG is written atomically.
+
+Grids and overlays are drawn with Pillow (sizes are exact: ``grid_size`` says what a grid will measure);
+curves use matplotlib's Agg backend, imported only when plotting.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from clip_mini.io import atomic_path
+
+PAD, LABEL_H, TITLE_H = 6, 20, 28
+_BG, _FG, _MISSING = (24, 24, 28), (235, 235, 235), (70, 70, 76)
+
+
+def _font(size: int):
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:   # Pillow < 10.1 has one fixed-size bitmap font
+        return ImageFont.load_default()
+
+
+def _save_png(img: Image.Image, out_png: str | Path) -> None:
+    with atomic_path(out_png, suffix=".png") as tmp:
+        img.save(tmp, format="PNG")
+
+
+def grid_size(n: int, cols: int = 5, thumb: int = 160, title: bool = True) -> tuple[int, int]:
+    """(width, height) in pixels of a result grid of ``n`` images."""
+    cols = max(1, min(cols, n))
+    rows = math.ceil(n / cols)
+    return cols * (thumb + PAD) + PAD, (TITLE_H if title else 0) + rows * (thumb + LABEL_H + PAD) + PAD
+
+
+def _thumbnail(path: str, thumb: int) -> Image.Image:
+    from clip_mini.data.images import ImageError, load_image
+
+    tile = Image.new("RGB", (thumb, thumb), _MISSING)
+    try:
+        img = Image.fromarray(load_image(path))
+    except (ImageError, OSError):
+        ImageDraw.Draw(tile).text((8, thumb // 2 - 8), "unreadable", fill=_FG, font=_font(13))
+        return tile
+    img.thumbnail((thumb, thumb), Image.Resampling.LANCZOS if max(img.size) > thumb else Image.Resampling.NEAREST)
+    if max(img.size) < thumb:   # small images (e.g. 64 px) are enlarged so they can be seen
+        scale = thumb / max(img.size)
+        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                         Image.Resampling.NEAREST)
+    tile.paste(img, ((thumb - img.width) // 2, (thumb - img.height) // 2))
+    return tile
+
+
+def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Path, title: Optional[str] = None,
+                cols: int = 5, thumb: int = 160) -> tuple[int, int]:
+    """Draw ranked results (rank and score under each thumbnail) into one PNG; returns its (width, height).
+
+    Unreadable or deleted files get a grey "unreadable" tile rather than failing the whole grid.
+    """
+    if not paths:
+        raise ValueError("result_grid needs at least one result")
+    if len(paths) != len(scores):
+        raise ValueError(f"{len(paths)} paths but {len(scores)} scores")
+    w, h = grid_size(len(paths), cols, thumb, title is not None)
+    cols = max(1, min(cols, len(paths)))
+    canvas = Image.new("RGB", (w, h), _BG)
+    draw = ImageDraw.Draw(canvas)
+    top = 0
+    if title is not None:
+        draw.text((PAD, 6), title[:120], fill=_FG, font=_font(15))
+        top = TITLE_H
+    for i, (path, score) in enumerate(zip(paths, scores)):
+        r, c = divmod(i, cols)
+        x, y = PAD + c * (thumb + PAD), top + PAD + r * (thumb + LABEL_H + PAD)
+        canvas.paste(_thumbnail(str(path), thumb), (x, y))
+        draw.text((x + 2, y + thumb + 3), f"#{i + 1}  {score:.3f}", fill=_FG, font=_font(13))
+    _save_png(canvas, out_png)
+    return w, h
+
+
+def overlay_image(image: np.ndarray, heat: np.ndarray, alpha: float = 0.5, size: Optional[int] = None,
+                  cmap: str = "inferno") -> Image.Image:
+    """Blend a (gh, gw) heat map, upsampled bilinearly and coloured, over an (H, W, 3) uint8 image.
+
+    Args:
+        size: length of the output's longer side (aspect kept); None keeps the image's own size.
+    """
+    import matplotlib
+
+    base = Image.fromarray(image)
+    if size is not None:
+        scale = size / max(base.size)
+        base = base.resize((max(1, round(base.width * scale)), max(1, round(base.height * scale))),
+                           Image.Resampling.BICUBIC)
+    heat = np.asarray(heat, dtype=np.float32)
+    heat = (heat - heat.min()) / max(float(heat.max() - heat.min()), 1e-12)
+    up = np.asarray(Image.fromarray(heat).resize(base.size, Image.Resampling.BILINEAR))
+    colours = matplotlib.colormaps[cmap](np.clip(up, 0, 1))[..., :3]  # (H, W, 3) in [0, 1]
+    blend = (1 - alpha) * np.asarray(base, np.float32) / 255 + alpha * colours
+    return Image.fromarray((np.clip(blend, 0, 1) * 255 + 0.5).astype(np.uint8))
+
+
+def attention_overlay(image: np.ndarray, heat: np.ndarray, out_png: str | Path, alpha: float = 0.5,
+                      size: Optional[int] = 448) -> tuple[int, int]:
+    """Write ``overlay_image`` to a PNG; returns its (width, height)."""
+    img = overlay_image(image, heat, alpha, size)
+    _save_png(img, out_png)
+    return img.size
+
+
+def plot_curves(records: Sequence[dict], out_png: str | Path) -> None:
+    """Training curves from metrics records into one PNG (1500 x 400).
+
+    Args:
+        records: dicts with ``kind`` "step" (``step``, ``loss``, ``lr``, ``logit_scale``) or "epoch" (``epoch``,
+            ``step``, ``val_loss``, ``val_t2i_r1``, ``val_i2t_r1``, ...). Missing keys and NaNs are skipped.
+
+    Panels: training loss per step with validation loss per epoch; validation recall per epoch; learning rate and
+    logit scale per step.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    steps, epochs, last_step = [], [], None
+    for r in records:
+        if r.get("kind") == "step":
+            steps.append(r)
+            last_step = r.get("step", last_step)
+        elif r.get("kind") == "epoch":   # an epoch row without a step sits at the last step before it
+            epochs.append(r if r.get("step") is not None else {**r, "step": last_step})
+    if not steps and not epochs:
+        raise ValueError("plot_curves: no step or epoch records")
+    fig, (ax_loss, ax_rec, ax_lr) = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
+    try:
+        _line(ax_loss, steps, "step", "loss", "train loss", lw=0.8)
+        _line(ax_loss, epochs, "step", "val_loss", "val loss", marker="o")
+        ax_loss.set(xlabel="step", ylabel="loss", title="contrastive loss")
+        recall_keys = sorted({k for r in epochs for k in r if re.fullmatch(r"val_(t2i|i2t)_r\d+", k)},
+                             key=lambda k: (k[4:7], int(k.split("_r")[-1])))
+        for key in recall_keys:
+            _line(ax_rec, epochs, "epoch", key, key[4:], marker="o")
+        ax_rec.set(xlabel="epoch", ylabel="recall", title="validation retrieval", ylim=(0, 1.02))
+        _line(ax_lr, steps, "step", "lr", "lr", lw=0.8)
+        ax_lr.set(xlabel="step", ylabel="learning rate", title="schedule")
+        twin = ax_lr.twinx()
+        _line(twin, steps, "step", "logit_scale", "logit scale", lw=0.8, color="tab:red")
+        twin.set_ylabel("logit scale")
+        for ax in (ax_loss, ax_rec, ax_lr):
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(loc="best", fontsize=8)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        with atomic_path(out_png, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
+
+
+def _line(ax, rows: Sequence[dict], xkey: str, ykey: str, label: str, **kw) -> None:
+    pts = [(r[xkey], r[ykey]) for r in rows if r.get(xkey) is not None and isinstance(r.get(ykey), (int, float))
+           and math.isfinite(r[ykey])]
+    if pts:
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, label=label, **kw)

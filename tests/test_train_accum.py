@@ -1,0 +1,138 @@
+"""Contrastive accumulation and DDP give the update of one big batch.
+
+* accumulation: 2 micro-batches of B (features cached, each re-forwarded) == one batch of 2B, within 1e-6;
+* DDP: 2 gloo processes on CPU, each with half the batch == one process on the whole batch, within 1e-5.
+"""
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from clip_mini.config import load_config
+from clip_mini.loss import ClipLoss
+from clip_mini.model import CLIPModel
+from clip_mini.train.accum import FeatureModel, forward_backward
+from clip_mini.train.optim import build_optimizer
+
+TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
+        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
+        "model.text.hidden_dim=64", "model.embed_dim=16", "model.text.dropout=0", "model.head_dropout=0",
+        "train.weight_decay=0.1"]
+VOCAB = 60
+
+
+def _model(seed: int = 0, overrides=()):
+    cfg = load_config(None, TINY + list(overrides))
+    torch.manual_seed(seed)
+    return CLIPModel(cfg.model, vocab_size=VOCAB, pad_token_id=0), cfg
+
+
+def _batch(n: int, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (n, 7), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(n):   # ragged captions: padding must be handled identically in every split
+        cut = 3 + i % 5
+        ids[i, cut:], mask[i, cut:] = 0, 0
+    image_ids = torch.arange(n)
+    image_ids[n // 2 + 1] = 0   # two captions of image 0 in different halves (masked as negatives)
+    return {"pixels": torch.randn(n, 3, 32, 32, generator=g), "input_ids": ids, "attention_mask": mask,
+            "image_ids": image_ids}
+
+
+def _split(batch: dict, parts: int) -> list[dict]:
+    n = batch["pixels"].shape[0] // parts
+    return [{k: v[i * n:(i + 1) * n] for k, v in batch.items()} for i in range(parts)]
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model, batches, precision="fp32"):
+    model.zero_grad(set_to_none=True)
+    loss = forward_backward(FeatureModel(model), batches, ClipLoss(), torch.device("cpu"), precision)
+    return loss, _grads(model)
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    model, cfg = _model()
+    batch = _batch(16)
+    loss_big, grads_big = _run(model, [batch])
+    loss_acc, grads_acc = _run(model, _split(batch, 2))
+    assert torch.allclose(loss_big, loss_acc, atol=1e-6)
+    assert grads_big.keys() == grads_acc.keys() and "logit_scale" in grads_big
+    for name in grads_big:   # logit_scale included: its gradient must be counted once, not twice
+        assert torch.allclose(grads_big[name], grads_acc[name], atol=1e-6, rtol=1e-5), name
+
+    # ... and so the AdamW update is the same. Adam's first step is about lr * sign(grad), so entries whose
+    # exact gradient is zero (the attention key bias: softmax ignores a constant shift) carry only rounding
+    # noise of either sign; they are left out of the comparison.
+    states = []
+    for batches in ([batch], _split(batch, 2)):
+        m, _ = _model()
+        opt = build_optimizer(m, cfg.train)
+        _run(m, batches)
+        opt.step()
+        states.append(dict(m.named_parameters()))
+    compared = 0
+    for name, g in grads_big.items():
+        well_defined = (g.abs() > 1e-6) | (g == 0)   # exactly 0: tokens absent from the batch
+        diff = (states[0][name] - states[1][name]).abs()[well_defined]
+        assert diff.numel() == 0 or diff.max() <= 1e-6, name
+        compared += diff.numel()
+    assert compared > 0.9 * sum(g.numel() for g in grads_big.values())
+
+
+def test_accumulation_adds_negatives_unlike_gradient_averaging():
+    model, _ = _model()
+    batch = _batch(16)
+    loss_big, grads_big = _run(model, [batch])
+    # Averaging two independent small-batch losses is a different (easier) objective.
+    halves = [_run(model, [b])[0] for b in _split(batch, 2)]
+    assert not torch.allclose(loss_big, sum(halves) / 2, atol=1e-3)
+
+
+def test_dropout_masks_are_replayed_in_the_re_forward():
+    model, _ = _model(overrides=["model.text.dropout=0.3", "model.head_dropout=0.3"])
+    model.train()
+    batch = _batch(12)
+    torch.manual_seed(5)
+    loss_acc, _ = _run(model, _split(batch, 3))
+    # The re-forwards used the first pass's masks, so the reported loss equals a fresh no-grad evaluation of
+    # the same features under the same RNG stream.
+    torch.manual_seed(5)
+    feats = []
+    with torch.no_grad():
+        for b in _split(batch, 3):
+            i, t, s = FeatureModel(model)(b["pixels"], b["input_ids"], b["attention_mask"])
+            feats.append((i, t))
+    ref = ClipLoss()(torch.cat([f[0] for f in feats]), torch.cat([f[1] for f in feats]), s, batch["image_ids"])
+    assert torch.allclose(loss_acc, ref, atol=1e-6)
+
+
+def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        shard = _split(_batch(16), world)[rank]
+        for accum in (1, 2):   # plain, and contrastive accumulation inside each process
+            model, _ = _model()
+            ddp = torch.nn.parallel.DistributedDataParallel(FeatureModel(model), broadcast_buffers=False)
+            loss = forward_backward(ddp, _split(shard, accum), ClipLoss(), torch.device("cpu"))
+            torch.save({"loss": loss, "grads": _grads(model)}, f"{out}.{accum}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
+    # One spawn for both cases: starting a process (imports of torch, timm, transformers) dominates the time.
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    model, _ = _model()
+    loss_ref, grads_ref = _run(model, [_batch(16)])
+    for accum in (1, 2):
+        for rank in range(2):
+            got = torch.load(tmp_path / f"out.{accum}.{rank}", weights_only=True)
+            assert torch.allclose(got["loss"], loss_ref, atol=1e-5), (accum, rank)
+            assert got["grads"].keys() == grads_ref.keys()
+            for name, g in grads_ref.items():
+                assert torch.allclose(got["grads"][name], g, atol=1e-5, rtol=1e-4), (accum, rank, name)

@@ -1,0 +1,104 @@
+"""Parameter groups, freezing, the learning-rate schedule, and config checks that run before any work."""
+import math
+
+import pytest
+import torch
+
+from clip_mini.config import ConfigError, load_config
+from clip_mini.model import CLIPModel
+from clip_mini.train.build import check_train_config
+from clip_mini.train.cli import main
+from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, param_groups, set_lr, set_train_mode
+
+TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
+        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
+        "model.text.hidden_dim=64", "model.text.vocab_size=200", "model.embed_dim=16"]
+
+
+def _model(overrides=()):
+    cfg = load_config(None, TINY + list(overrides))
+    torch.manual_seed(0)
+    return CLIPModel.build(cfg.model, captions=["a red circle", "a blue square left of a star"]), cfg
+
+
+def _names(model, group):
+    ids = {id(p) for p in group["params"]}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def test_groups_split_towers_and_exempt_biases_norms_tokens_and_scale():
+    model, cfg = _model(["train.lr=1e-3", "train.lr_image=2e-3", "train.lr_text=3e-4", "train.lr_head=5e-3"])
+    groups = {g["name"]: g for g in param_groups(model, cfg.train)}
+    assert set(groups) == {f"{t}.{d}" for t in ("image", "text", "head") for d in ("decay", "no_decay")}
+    assert groups["image.decay"]["lr"] == 2e-3 and groups["text.no_decay"]["lr"] == 3e-4
+    assert groups["head.decay"]["lr"] == 5e-3
+    no_decay = set().union(*(_names(model, g) for n, g in groups.items() if n.endswith("no_decay")))
+    decay = set().union(*(_names(model, g) for n, g in groups.items() if n.endswith(".decay")))
+    assert all(groups[n]["weight_decay"] == 0.0 for n in groups if n.endswith("no_decay"))
+    assert {"logit_scale", "visual.trunk.cls_token", "visual.trunk.pos_embed",
+            "text.bert.embeddings.position_embeddings.weight"} <= no_decay
+    assert all(n.endswith("bias") or "norm" in n.lower() or n in {"logit_scale", "visual.trunk.cls_token",
+               "visual.trunk.pos_embed", "text.bert.embeddings.position_embeddings.weight"} for n in no_decay)
+    assert "visual.trunk.blocks.0.attn.qkv.weight" in decay and "image_head.proj.weight" in decay
+    assert decay | no_decay == {n for n, _ in model.named_parameters()} and not decay & no_decay
+
+
+def test_frozen_tower_gets_no_gradient_and_stays_in_eval_mode():
+    model, cfg = _model(["model.vision.trainable=false"])
+    assert freeze_towers(model) == ["image"]
+    opt = build_optimizer(model, cfg.train)
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert not any(id(p) in trained for p in model.visual.parameters())
+    assert any(id(p) in trained for p in model.image_head.parameters())   # its head still learns
+    set_train_mode(model, True)
+    assert model.text.training and not model.visual.training
+
+
+def test_schedule_warms_up_then_follows_a_cosine():
+    total, warm = 100, 10
+    f = [lr_factor(s, total, warm, min_ratio=0.1) for s in range(total)]
+    assert f[0] == pytest.approx(0.1) and f[warm - 1] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(f[:warm - 1], f[1:warm]))
+    assert all(a >= b for a, b in zip(f[warm:], f[warm + 1:]))
+    assert f[-1] == pytest.approx(0.1)
+    mid = warm + (total - 1 - warm) // 2
+    assert f[mid] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (mid - warm) / (total - 1 - warm))))
+    assert lr_factor(0, 10, 0) == 1.0
+
+
+def test_set_lr_scales_each_groups_own_base_rate():
+    model, cfg = _model(["train.lr_text=1e-4", "train.lr=1e-3"])
+    opt = build_optimizer(model, cfg.train)
+    assert set_lr(opt, 0.5) == pytest.approx(5e-4)
+    assert {round(g["lr"], 8) for g in opt.param_groups} == {5e-4, 5e-5}
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.best_metric=accuracy", "train.best_metric"),
+    ("data.val=0", "data.val"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+    ("train.betas=[0.9, 1.5]", "train.betas"),
+    ("train.threads=0", "train.threads"),
+])
+def test_trainer_checks_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check_train_config(load_config(None, [override]))
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--set", "train.epochz=3"], "train.epochz"),
+    (["--set", "train.lr=-1"], "train.lr"),
+    (["--set", "train.precision=fp16"], "train.precision"),
+    (["--set", "train.best_metric=acc"], "train.best_metric"),
+])
+def test_cli_rejects_bad_config_before_any_work(argv, key, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and key in err and "Traceback" not in err
+    assert not out.exists()   # nothing written, no data read
+
+
+def test_cli_reports_a_missing_config_file(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
