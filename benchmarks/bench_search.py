@@ -7,7 +7,8 @@ For each size N: clustered unit vectors (1000 centres plus noise, like real embe
 back end: p50/p95 latency for 1 and 64 queries (warm page cache; p50 of ``repeats`` runs), build time for faiss,
 faiss recall@10 against exact search, and the memory-bandwidth floor: the time to read the embedding matrix once
 (any exact method must touch every byte). HNSW is skipped above 200k rows (its build alone would take minutes
-on 2 cores); IVF covers the 1M case. Writes ``benchmarks/results/search.json``.
+on 2 cores); IVF covers the 1M case. Writes ``benchmarks/results/search.json``. On a shared machine run it with
+``OPENBLAS_NUM_THREADS=1``: spin-waiting BLAS threads fighting other jobs for the cores distort small products.
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def main(argv=None) -> dict:
     # The load average is recorded because a shared machine's other work distorts small timings badly (OpenBLAS
     # threads spin-waiting for a busy core can turn a 0.2 ms product into 15 ms).
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
+                          "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
                           "loadavg_start": os.getloadavg()[0]}, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:
         for n in args.sizes:

@@ -38,7 +38,7 @@ def make_model(out: Path) -> Path:
 
 
 def make_index(out: Path, model_dir: Path, rows: int, image: Path) -> Path:
-    from clip_mini.index import commit, writer_lock
+    from clip_mini.index_format import commit, writer_lock
     from clip_mini.query import read_verified_manifest
 
     manifest = read_verified_manifest(model_dir)

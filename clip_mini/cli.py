@@ -21,14 +21,19 @@ EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
 COMMANDS = ("train", "index", "search", "eval", "attention")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+_positive_int, _count = _int_at_least(1), _int_at_least(0)
 
 
 def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
@@ -47,7 +52,7 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ix.add_argument("--add", action="store_true", help="keep rows of files not listed now (default: mirror)")
     ix.add_argument("--shard", help="i/n: index only shard i of n (into OUT/shards/i-of-n); merge with --merge")
     ix.add_argument("--batch-size", type=_positive_int, default=64)
-    ix.add_argument("--workers", type=int, default=0, help="DataLoader workers decoding images")
+    ix.add_argument("--workers", type=_count, default=0, help="DataLoader workers decoding images")
     ix.add_argument("--bf16", action="store_true", help="bf16 autocast for the image tower (faster on CPUs with AMX)")
     ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf"],
                     help="store a faiss index too (auto: HNSW for large indexes when faiss is installed)")
@@ -74,7 +79,7 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ev.add_argument("--label-col", default="label", help="zero-shot: label column of a labels CSV")
     ev.add_argument("--template", action="append", help="zero-shot prompt with {} (repeatable)")
     ev.add_argument("--batch-size", type=_positive_int, default=64)
-    ev.add_argument("--workers", type=int, default=0)
+    ev.add_argument("--workers", type=_count, default=0)
     ev.add_argument("--json", action="store_true")
 
     at = sub.add_parser("attention", help="overlay the CLS token's attention on an image")
@@ -84,7 +89,7 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     at.add_argument("--mode", default="mean", choices=["mean", "rollout"],
                     help="mean over heads and layers, or attention rollout")
     at.add_argument("--alpha", type=float, default=0.5, help="heat map opacity")
-    at.add_argument("--size", type=int, default=448, help="longer side of the output in pixels (0: image size)")
+    at.add_argument("--size", type=_count, default=448, help="longer side of the output in pixels (0: image size)")
     return p
 
 

@@ -51,9 +51,12 @@ def _shard_from(text, parse_shard):
     if text is not None:
         return parse_shard(text), None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from datetime import timedelta
+
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        # The barrier after indexing waits for the slowest shard, which can take hours: not the 30 min default.
+        dist.init_process_group("gloo", timeout=timedelta(hours=48))
         return (dist.get_rank(), dist.get_world_size()), dist
     return None, None
 

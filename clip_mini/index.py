@@ -13,33 +13,27 @@ Index directory (format version 1)::
 Readers never see a mix of two generations: data files are never changed once written, a writer publishes a
 generation by atomically replacing ``manifest.json``, and readers open exactly the files that manifest names.
 The previous generation's files are kept, so a reader holding the old manifest can still open them; if a reader
-is slower than two commits it finds a file gone, re-reads the manifest and tries again.
+is slower than two commits it finds a file gone, re-reads the manifest and tries again. The file format lives in
+``index_format``, building in ``index_build`` / ``index_shards``, the search back ends in ``search``.
+
+    from clip_mini import EmbeddingIndex
+    index = EmbeddingIndex.build("indexes/photos", "runs/tiny/best", "photos/")    # or .load("indexes/photos")
+    index.search_text("a dog running on grass", k=5)          # [(path, score), ...]
+    scores, ids = index.search(query_features, k=10)           # arrays, for any (Q, d) features
 """
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
-import json
 import os
-import re
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from clip_mini.io import atomic_write_json, atomic_write_text, sha256_file
+from clip_mini.index_format import EmbeddingIndexError, read_items, read_manifest
+from clip_mini.io import sha256_file
 
-FORMAT_VERSION = 1
-ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
-_DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|index)$")
 _OPEN_RETRIES = 5
-
-
-class EmbeddingIndexError(ValueError):
-    """An index directory is missing, corrupt, busy or built with another model, or a request on it is unusable."""
+ImagesArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 
 class EmbeddingIndex:
@@ -169,21 +163,58 @@ class EmbeddingIndex:
                 self._faiss = S.load_faiss(self.path / name)
         return self._faiss
 
-    # -- writing (see index_build) --------------------------------------------------------------------------
+    # -- convenience: queries by text or image, results as (path, score) -------------------------------------
+    def search_text(self, text: str, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
+                    ) -> list[tuple[str, float]]:
+        """Ranked ``(path, score)`` for a text query, embedded by the index's model (torch-free, see ``query``)."""
+        from clip_mini.query import NumpyTextEncoder
+
+        encoder = NumpyTextEncoder.load(self._model_dir(model_dir))
+        self.check_model(encoder.fingerprint, f"model {self._model_dir(model_dir)}")
+        return self._hits(*self.search(encoder.encode_text([text]), k, backend))
+
+    def search_image(self, image: Any, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
+                     ) -> list[tuple[str, float]]:
+        """Ranked ``(path, score)`` for an image query (a path, PIL image or array)."""
+        import clip_mini
+
+        embedder = clip_mini.load(self._model_dir(model_dir))
+        self.check_model(embedder.fingerprint, f"model {self._model_dir(model_dir)}")
+        return self._hits(*self.search(embedder.encode_image([image]), k, backend))
+
+    def _model_dir(self, model_dir: Optional[str | Path]) -> Path:
+        model_dir = model_dir or self.manifest.get("model_dir")
+        if not model_dir:
+            raise EmbeddingIndexError(f"index {self.path} does not record its model: pass model_dir")
+        return Path(model_dir)
+
+    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[tuple[str, float]]:
+        return [(self.items["path"][i], float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+
+    # -- writing (see index_build and index_shards) ---------------------------------------------------------
     @classmethod
-    def build(cls, path: str | Path, embedder, images: Sequence[str], captions: Optional[dict] = None,
+    def build(cls, path: str | Path, model, images: ImagesArg, captions: Optional[dict] = None,
               **kwargs) -> "EmbeddingIndex":
-        """Make ``path`` index exactly ``images`` (incremental, resumable); see ``index_build.sync_index``."""
+        """Make the index at ``path`` hold exactly ``images``: incremental and resumable.
+
+        Args:
+            path: index directory.
+            model: a model directory, or an ``Embedder`` from ``clip_mini.load``.
+            images: a folder (searched recursively) or a list of image files.
+            captions: optional ``{path: caption}`` stored with the rows.
+            **kwargs: see ``index_build.sync_index`` (batch_size, workers, precision, faiss, shard, ...).
+        """
         from clip_mini.index_build import sync_index
 
-        return sync_index(path, embedder, images, captions=captions, prune=True, **kwargs)
+        embedder, kwargs = _embedder(model, kwargs)
+        return sync_index(path, embedder, _image_list(images), captions=captions, prune=True, **kwargs)
 
-    def add(self, embedder, images: Sequence[str], captions: Optional[dict] = None,
-            **kwargs) -> "EmbeddingIndex":
-        """Embed ``images`` that are new or changed and commit them next to the existing rows; returns the result."""
+    def add(self, model, images: ImagesArg, captions: Optional[dict] = None, **kwargs) -> "EmbeddingIndex":
+        """Embed new or changed ``images`` and commit them beside the existing rows; returns the updated index."""
         from clip_mini.index_build import sync_index
 
-        return sync_index(self.path, embedder, images, captions=captions, prune=False, **kwargs)
+        embedder, kwargs = _embedder(model, kwargs)
+        return sync_index(self.path, embedder, _image_list(images), captions=captions, prune=False, **kwargs)
 
     @classmethod
     def merge(cls, path: str | Path, sources: Optional[Sequence[str | Path]] = None, **kwargs) -> "EmbeddingIndex":
@@ -193,118 +224,20 @@ class EmbeddingIndex:
         return merge_indexes(path, sources, **kwargs)
 
 
-# -- manifest and items files --------------------------------------------------------------------------------
-def _manifest_digest(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+def _embedder(model, kwargs: dict):
+    if isinstance(model, (str, os.PathLike)):
+        import clip_mini
+
+        return clip_mini.load(model, batch_size=kwargs.get("batch_size", 64)), {"model_dir": str(model), **kwargs}
+    return model, kwargs
 
 
-def read_manifest(path: str | Path) -> dict:
-    """Read and validate ``manifest.json`` (its own digest included, so any edit or damage is caught)."""
-    mpath = Path(path) / "manifest.json"
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EmbeddingIndexError(f"index {Path(path)} does not exist or has no manifest.json") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EmbeddingIndexError(f"{mpath} is corrupt: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("manifest_sha256") != _manifest_digest(manifest):
-        raise EmbeddingIndexError(f"{mpath} is corrupt: its content does not match its manifest_sha256")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise EmbeddingIndexError(f"{mpath}: index format version {manifest.get('format_version')!r}, this "
-                                  f"clip_mini reads version {FORMAT_VERSION}; rebuild the index")
-    return manifest
+def _image_list(images: ImagesArg) -> list[str]:
+    if isinstance(images, (str, os.PathLike)):
+        from clip_mini.image_files import scan_images
 
-
-def read_items(path: Path) -> dict[str, list]:
-    """Read an items CSV into columns (stdlib csv: the search path does not import pandas)."""
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if header is None or tuple(header) != ITEM_COLUMNS:
-                raise EmbeddingIndexError(f"{path}: expected columns {','.join(ITEM_COLUMNS)}, got {header}")
-            rows = list(reader)
-    except UnicodeDecodeError as e:
-        raise EmbeddingIndexError(f"{path} is corrupt: not UTF-8 ({e})") from None
-    cols: dict[str, list] = {c: [] for c in ITEM_COLUMNS}
-    for i, row in enumerate(rows, start=2):
-        if len(row) != len(ITEM_COLUMNS):
-            raise EmbeddingIndexError(f"{path}: line {i}: {len(row)} fields, expected {len(ITEM_COLUMNS)}")
-        for c, v in zip(ITEM_COLUMNS, row):
-            cols[c].append(v)
-    cols["size"] = [int(v) for v in cols["size"]]
-    cols["mtime_ns"] = [int(v) for v in cols["mtime_ns"]]
-    return cols
-
-
-def items_csv(items: dict[str, list]) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(ITEM_COLUMNS)
-    writer.writerows(zip(*(items[c] for c in ITEM_COLUMNS)))
-    return buf.getvalue()
-
-
-def current_generation(path: Path) -> int:
-    return read_manifest(path)["generation"] if (path / "manifest.json").is_file() else 0
-
-
-def commit(path: Path, generation: int, items: dict[str, list], meta: dict, faiss_kind: Optional[str] = None,
-           progress: bool = True) -> EmbeddingIndex:
-    """Publish generation ``generation``: ``embeddings-<gen>.npy`` must already be written (atomically).
-
-    Writes the items file and the optional faiss index, then atomically replaces the manifest; finally removes
-    data files older than the previous generation. Must run under ``writer_lock``.
-    """
-    from clip_mini import __version__
-
-    emb_name, items_name = f"embeddings-{generation}.npy", f"items-{generation}.csv"
-    atomic_write_text(path / items_name, items_csv(items))
-    files = {"embeddings": emb_name, "items": items_name}
-    if faiss_kind:
-        from clip_mini import search as S
-
-        emb = np.load(path / emb_name, mmap_mode="r")
-        files["faiss"] = f"faiss-{generation}.index"
-        S.save_faiss(S.build_faiss(emb, faiss_kind, progress=progress), path / files["faiss"])
-    previous = current_generation(path)
-    emb = np.load(path / emb_name, mmap_mode="r")
-    manifest = {
-        "format_version": FORMAT_VERSION, "generation": generation, "files": files,
-        "checksums": {name: sha256_file(path / name) for name in files.values()},
-        "count": int(emb.shape[0]), "dim": int(emb.shape[1]), "dtype": "float16", "faiss_kind": faiss_kind,
-        "clip_mini_version": __version__, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta,
-    }
-    del emb
-    manifest["manifest_sha256"] = _manifest_digest(manifest)
-    atomic_write_json(path / "manifest.json", manifest)
-    _remove_old_generations(path, keep={generation, previous})
-    return EmbeddingIndex.load(path, verify=False)
-
-
-def _remove_old_generations(path: Path, keep: set[int]) -> None:
-    for p in path.iterdir():
-        m = _DATA_FILE.match(p.name)
-        if m and int(m.group(2)) not in keep:
-            p.unlink(missing_ok=True)
-
-
-@contextmanager
-def writer_lock(path: Path) -> Iterator[None]:
-    """Hold ``path/.lock`` exclusively; a second writer fails at once instead of interleaving generations."""
-    import fcntl
-
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise EmbeddingIndexError(f"index {path} is being written by another process; wait for it to "
-                                      "finish (a killed writer releases the lock automatically)") from None
-        for p in path.glob(".*.tmp*"):   # temporaries of a writer that was killed mid-write
-            p.unlink(missing_ok=True)
-        yield
-    finally:
-        os.close(fd)
+        found = scan_images(images)
+        if not found:
+            raise EmbeddingIndexError(f"no images found under {images} (looked for .jpg, .png, .webp, ...)")
+        return found
+    return [os.fspath(p) for p in images]

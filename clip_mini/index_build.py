@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from clip_mini.image_files import iter_image_features
-from clip_mini.index import EmbeddingIndex, EmbeddingIndexError, commit, current_generation, writer_lock
+from clip_mini.index import EmbeddingIndex
+from clip_mini.index_format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
 
 _BLOCK = 16384   # rows copied per step when writing a generation
@@ -173,7 +174,8 @@ def _publish(path: Path, old: Optional[EmbeddingIndex], work: "_Work", rows: dic
             for (s, r), h in zip(rows.pop("source"), rows["sha256"])]
     generation = current_generation(path) + 1
     write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, dim)
-    return commit(path, generation, rows, meta, kind, progress)
+    commit(path, generation, rows, meta, kind, progress)
+    return EmbeddingIndex.load(path, verify=False)
 
 
 def _plan(old: Optional[EmbeddingIndex], images: list[str], captions: dict[str, str], prune: bool,

@@ -13,7 +13,8 @@ import zlib
 from pathlib import Path
 from typing import Optional, Sequence
 
-from clip_mini.index import EmbeddingIndex, EmbeddingIndexError, commit, current_generation, writer_lock
+from clip_mini.index import EmbeddingIndex
+from clip_mini.index_format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.index_build import faiss_kind, write_embeddings
 
 
@@ -76,4 +77,5 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
         meta = {"model_fingerprint": m0["model_fingerprint"], "model_dir": m0.get("model_dir"),
                 "source": m0.get("source"), "shard": None}
         kind = faiss_kind(faiss, None, len(plan))
-        return commit(path, generation, rows, meta, kind, progress)
+        commit(path, generation, rows, meta, kind, progress)
+    return EmbeddingIndex.load(path, verify=False)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import clip_mini
-from clip_mini.index import EmbeddingIndex, EmbeddingIndexError, writer_lock
+from clip_mini.index import EmbeddingIndex, EmbeddingIndexError
+from clip_mini.index_format import writer_lock
 from clip_mini.image_files import scan_images
 from clip_mini.index_build import _Work
 from clip_mini.index_shards import merge_indexes
@@ -253,3 +254,15 @@ def test_faiss_backend_stored_and_agrees(tmp_path, embedder, image_folder):
     s_f, i_f = EmbeddingIndex.load(tmp_path / "idx").search(q, k=5, backend="faiss")
     np.testing.assert_array_equal(i_e[:, 0], i_f[:, 0])
     np.testing.assert_allclose(s_e, s_f, atol=1e-4)
+
+
+def test_convenience_api_from_model_dir_and_folder(tmp_path, model_dir, image_folder):
+    index = EmbeddingIndex.build(tmp_path / "idx", model_dir, image_folder, progress=False)
+    assert len(index) == 12 and index.manifest["model_dir"] == str(model_dir.resolve())
+    hits = index.search_text("a red circle", k=3)
+    assert len(hits) == 3 and all(isinstance(p, str) and isinstance(s, float) for p, s in hits)
+    assert [s for _, s in hits] == sorted((s for _, s in hits), reverse=True)
+    path, score = index.search_image(index.items["path"][7], k=1)[0]
+    assert path == index.items["path"][7] and score == pytest.approx(1.0, abs=2e-3)
+    with pytest.raises(EmbeddingIndexError, match="no images found"):
+        EmbeddingIndex.build(tmp_path / "idx2", model_dir, tmp_path / "idx")   # a folder without images

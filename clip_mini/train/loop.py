@@ -151,8 +151,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             window.step_done(loss.item(), global_batch)
             if main and (state["step"] % t.log_every == 0 or state["pos"] == steps_per_epoch):
                 row = window.row(state, lr, model.scale().item(), grad_norm.item())
-                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{lr:.1e}", scale=f"{row['logit_scale']:.1f}",
-                                pairs_s=f"{row['pairs_per_s']:.0f}")
+                bar.set_postfix(loss="nan" if row["loss"] is None else f"{row['loss']:.3f}", lr=f"{lr:.1e}",
+                                scale=f"{row['logit_scale']:.1f}", pairs_s=f"{row['pairs_per_s']:.0f}")
                 log.add(row)
                 log.flush()
             bar.update(1)
@@ -184,7 +184,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         if saved_at[0] != state["step"]:
             save_state()
     elif main:
-        model.save_pretrained(run / "final", extra={"trained": _provenance(state["step"], state["epoch"], _last_val(log))})
+        trained = _provenance(state["step"], state["epoch"], _last_val(log))
+        model.save_pretrained(run / "final", extra={"trained": trained})
         print(summary_table(log.rows, t.best_metric))
         print(f"best {t.best_metric} = {state['best']}; model directories: {run / 'best'}, {run / 'final'} "
               f"({time.time() - t0:.0f} s)")

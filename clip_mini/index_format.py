@@ -1,0 +1,145 @@
+"""The index directory format: manifest, items table, generations, atomic commits, the writer lock.
+
+See ``clip_mini.index`` for the layout. Everything here is plain files and numpy: no torch, no pandas, so opening
+an index for a text search stays fast.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from clip_mini.io import atomic_write_json, atomic_write_text, sha256_file
+
+FORMAT_VERSION = 1
+ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
+_DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|index)$")
+
+
+class EmbeddingIndexError(ValueError):
+    """An index directory is missing, corrupt, busy or built with another model, or a request on it is unusable."""
+
+
+def _manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_manifest(path: str | Path) -> dict:
+    """Read and validate ``manifest.json`` (its own digest included, so any edit or damage is caught)."""
+    mpath = Path(path) / "manifest.json"
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EmbeddingIndexError(f"index {Path(path)} does not exist or has no manifest.json") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EmbeddingIndexError(f"{mpath} is corrupt: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        raise EmbeddingIndexError(f"{mpath} is corrupt: its content does not match its manifest_sha256")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise EmbeddingIndexError(f"{mpath}: index format version {manifest.get('format_version')!r}, this "
+                                  f"clip_mini reads version {FORMAT_VERSION}; rebuild the index")
+    return manifest
+
+
+def read_items(path: Path) -> dict[str, list]:
+    """Read an items CSV into columns (stdlib csv: the search path does not import pandas)."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None or tuple(header) != ITEM_COLUMNS:
+                raise EmbeddingIndexError(f"{path}: expected columns {','.join(ITEM_COLUMNS)}, got {header}")
+            rows = list(reader)
+    except UnicodeDecodeError as e:
+        raise EmbeddingIndexError(f"{path} is corrupt: not UTF-8 ({e})") from None
+    cols: dict[str, list] = {c: [] for c in ITEM_COLUMNS}
+    for i, row in enumerate(rows, start=2):
+        if len(row) != len(ITEM_COLUMNS):
+            raise EmbeddingIndexError(f"{path}: line {i}: {len(row)} fields, expected {len(ITEM_COLUMNS)}")
+        for c, v in zip(ITEM_COLUMNS, row):
+            cols[c].append(v)
+    cols["size"] = [int(v) for v in cols["size"]]
+    cols["mtime_ns"] = [int(v) for v in cols["mtime_ns"]]
+    return cols
+
+
+def items_csv(items: dict[str, list]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(ITEM_COLUMNS)
+    writer.writerows(zip(*(items[c] for c in ITEM_COLUMNS)))
+    return buf.getvalue()
+
+
+def current_generation(path: Path) -> int:
+    return read_manifest(path)["generation"] if (path / "manifest.json").is_file() else 0
+
+
+def commit(path: Path, generation: int, items: dict[str, list], meta: dict, faiss_kind: Optional[str] = None,
+           progress: bool = True) -> dict:
+    """Publish generation ``generation``: ``embeddings-<gen>.npy`` must already be written (atomically).
+
+    Writes the items file and the optional faiss index, then atomically replaces the manifest; finally removes
+    data files older than the previous generation. Must run under ``writer_lock``. Returns the new manifest.
+    """
+    from clip_mini import __version__
+
+    emb_name, items_name = f"embeddings-{generation}.npy", f"items-{generation}.csv"
+    atomic_write_text(path / items_name, items_csv(items))
+    files = {"embeddings": emb_name, "items": items_name}
+    if faiss_kind:
+        from clip_mini import search as S
+
+        emb = np.load(path / emb_name, mmap_mode="r")
+        files["faiss"] = f"faiss-{generation}.index"
+        S.save_faiss(S.build_faiss(emb, faiss_kind, progress=progress), path / files["faiss"])
+    previous = current_generation(path)
+    emb = np.load(path / emb_name, mmap_mode="r")
+    manifest = {
+        "format_version": FORMAT_VERSION, "generation": generation, "files": files,
+        "checksums": {name: sha256_file(path / name) for name in files.values()},
+        "count": int(emb.shape[0]), "dim": int(emb.shape[1]), "dtype": "float16", "faiss_kind": faiss_kind,
+        "clip_mini_version": __version__, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta,
+    }
+    del emb
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    atomic_write_json(path / "manifest.json", manifest)
+    _remove_old_generations(path, keep={generation, previous})
+    return manifest
+
+
+def _remove_old_generations(path: Path, keep: set[int]) -> None:
+    for p in path.iterdir():
+        m = _DATA_FILE.match(p.name)
+        if m and int(m.group(2)) not in keep:
+            p.unlink(missing_ok=True)
+
+
+@contextmanager
+def writer_lock(path: Path) -> Iterator[None]:
+    """Hold ``path/.lock`` exclusively; a second writer fails at once instead of interleaving generations."""
+    import fcntl
+
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EmbeddingIndexError(f"index {path} is being written by another process; wait for it to "
+                                      "finish (a killed writer releases the lock automatically)") from None
+        for p in path.glob(".*.tmp*"):   # temporaries of a writer that was killed mid-write
+            p.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)
