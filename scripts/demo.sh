@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The main job end to end on generated data: make the shapes dataset, train configs/tiny.yaml, index, search.
+set -euo pipefail
+BIN=${1:-.venv/bin}
+cd "$(dirname "$0")/.."
+
+if [ ! -f data/shapes/captions.csv ]; then
+  "$BIN/python" -m clip_mini.data.synthetic --out data/shapes --n 3000 --seed 0
+fi
+"$BIN/clip-mini" train --config configs/tiny.yaml --set train.out_dir=runs/tiny
+"$BIN/clip-mini" eval --model runs/tiny/best --data configs/tiny.yaml --split val
+"$BIN/clip-mini" index --model runs/tiny/best --images data/shapes/images --out indexes/shapes
+for q in "a large red circle on the left" "a blue star above a green square" "a small yellow triangle at the bottom"; do
+  echo; echo "== $q"
+  "$BIN/clip-mini" search --index indexes/shapes "$q" -k 5
+done
+"$BIN/clip-mini" search --index indexes/shapes "a large red circle on the left" -k 16 --grid hits.png > /dev/null
+"$BIN/clip-mini" attention --model runs/tiny/best data/shapes/images/train_00000.png --out attn.png
+echo; echo "wrote hits.png (top 16 for 'a large red circle on the left') and attn.png; model in runs/tiny/best"
