@@ -102,7 +102,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         embedder = clip_mini.load(model_dir)
         index.check_model(embedder.fingerprint, f"model {model_dir}")
         if not Path(args.image).is_file():
-            raise InputError(f"query image not found: {args.image}")
+            what = "is a directory, not an image file" if Path(args.image).is_dir() else "not found"
+            raise InputError(f"query image {what}: {args.image}")
         queries = embedder.encode_image([args.image])
     scores, ids = index.search(queries, args.k, args.backend)
     hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]

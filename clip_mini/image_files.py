@@ -19,7 +19,8 @@ def scan_images(folder: str | Path) -> list[str]:
     """Absolute paths of the image files under ``folder`` (recursive, by extension; hidden entries skipped)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise EmbeddingIndexError(f"image folder not found: {folder}")
+        what = "is a file, not a folder" if folder.exists() else "not found"
+        raise EmbeddingIndexError(f"image folder {what}: {folder}")
     found = []
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))

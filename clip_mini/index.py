@@ -76,7 +76,8 @@ class EmbeddingIndex:
         """
         path = Path(path)
         if not (path / "manifest.json").is_file():
-            what = "is not an index (no manifest.json)" if path.is_dir() else "does not exist"
+            what = ("is not an index (no manifest.json)" if path.is_dir()
+                    else "is a file, not an index directory" if path.exists() else "does not exist")
             raise EmbeddingIndexError(f"index {path} {what}; build one with `clip-mini index`")
         for attempt in range(_OPEN_RETRIES):
             manifest = read_manifest(path)

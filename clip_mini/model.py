@@ -187,7 +187,8 @@ def read_manifest(model_dir: str | Path, verify: bool = True) -> dict:
     """Read ``manifest.json``; with ``verify`` every listed file must exist and match its sha256."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ModelDirError(f"model directory not found: {model_dir}")
+        what = "is a file, not a directory" if model_dir.exists() else "not found"
+        raise ModelDirError(f"model directory {what}: {model_dir}")
     manifest = _read_json(model_dir / "manifest.json")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "fingerprint" not in manifest:
         raise ModelDirError(f"{model_dir / 'manifest.json'}: not a clip_mini model manifest")

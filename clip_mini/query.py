@@ -52,7 +52,8 @@ def read_verified_manifest(model_dir: Path, verify: bool = True) -> dict:
 
     mpath = model_dir / "manifest.json"
     if not model_dir.is_dir():
-        raise QueryEncoderError(f"model directory not found: {model_dir}")
+        what = "is a file, not a directory" if model_dir.exists() else "not found"
+        raise QueryEncoderError(f"model directory {what}: {model_dir}")
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
         files, fingerprint = manifest["files"], manifest["fingerprint"]

@@ -51,7 +51,8 @@ def read_captions(path: str | Path, image_root: Optional[str | Path] = None, fmt
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"captions file not found: {path}")
+        what = "is a directory, not a file" if path.is_dir() else "not found"
+        raise DataError(f"captions file {what}: {path}")
     raw = path.read_bytes()
     fmt = detect_format(path, raw) if fmt == "auto" else fmt
     if fmt == "coco":
