@@ -118,8 +118,8 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
         "batch_pairs": pairs, "precision": t.precision, "threads": torch.get_num_threads(),
         "trainable_params": sum(p.numel() for p in params), "step_s": step_s, "pairs_per_s": pairs / step_s,
         "gflop_per_step": flops / 1e9, "achieved_gflops": flops / 1e9 / step_s,
-        "data_wait_fraction": sum(waits) / sum(totals), "image_cache": None if cache is None else
-        {"hits": cache.hits, "misses": cache.misses},
+        "data_wait_fraction": sum(waits) / sum(totals), "image_cache": cache is not None,
+        "data_workers": cfg.data.workers,
         "steps_timed": len(totals),
     }
 
@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     fp32, bf16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
-                          "fp32_matmul_peak_gflops": fp32, "bf16_matmul_peak_gflops": bf16},
+                          "fp32_matmul_peak_gflops": fp32, "bf16_matmul_peak_gflops": bf16,
+                          # other processes competing for the cores make every number here smaller
+                          "load_average_1min_at_start": os.getloadavg()[0]},
               "configs": {}}
     for name in args.configs:
         with tempfile.TemporaryDirectory() as tmp:

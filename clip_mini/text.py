@@ -45,16 +45,32 @@ def resolve_text_config(cfg: TextConfig) -> TextConfig:
 
 
 def train_tokenizer(captions: Iterable[str], vocab_size: int = 4000):
-    """Train a lower-casing WordPiece tokenizer on captions, wrapped as a DistilBERT fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """Build a lower-casing WordPiece tokenizer from captions, wrapped as a DistilBERT fast tokenizer.
+
+    The vocabulary is a pure function of the captions: the special tokens, every character seen (alone and as a
+    ``##`` continuation), then whole words by frequency (ties alphabetical) up to ``vocab_size``. A word outside
+    it is spelled with character pieces, never [UNK]. The ``tokenizers`` WordPiece trainer is not used because
+    it breaks frequency ties in hash-map order, which changes from process to process: two runs with one seed
+    got different vocabularies, so a resumed run could never match an uninterrupted one bit for bit.
+    """
+    from collections import Counter
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import DistilBertTokenizerFast
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True, clean_text=True, strip_accents=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    normalizer = normalizers.BertNormalizer(lowercase=True, clean_text=True, strip_accents=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter = Counter()
+    for caption in captions:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(str(caption))))
+    chars = sorted({ch for word in counts for ch in word})
+    vocab = SPECIAL_TOKENS + chars + ["##" + ch for ch in chars]
+    words = sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))
+    vocab += words[:max(0, vocab_size - len(vocab))]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=1)
-    tok.train_from_iterator((str(c) for c in captions), trainer=trainer)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",

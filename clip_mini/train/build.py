@@ -6,7 +6,6 @@ weight is trained.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -98,33 +97,8 @@ def save_tokenizer(cfg: Config, train_captions: list[str], out_dir: Path) -> Non
     from clip_mini.text import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.model.text, train_captions)
-    if cfg.model.text.pretrained is None:
-        tokenizer = canonical_vocab_order(tokenizer)
     with atomic_dir(out_dir) as tmp:
         tokenizer.save_pretrained(str(tmp))
-
-
-def canonical_vocab_order(tokenizer):
-    """The same WordPiece vocabulary with ids in a fixed order: special tokens first, then the rest sorted.
-
-    The ``tokenizers`` trainer numbers some tokens (the ``##x`` continuation characters) in hash-map order,
-    which changes from process to process, so two runs with one seed would embed the same word with different
-    rows. Reordering makes the ids a function of the vocabulary alone.
-    """
-    from tokenizers import Tokenizer
-
-    from clip_mini.text import SPECIAL_TOKENS
-
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    vocab = spec["model"]["vocab"]
-    specials = sorted((i, t) for t, i in vocab.items() if t in SPECIAL_TOKENS)
-    if [i for i, _ in specials] != list(range(len(specials))):
-        return tokenizer   # not the layout train_tokenizer makes: leave it alone
-    order = [t for _, t in specials] + sorted(t for t in vocab if t not in SPECIAL_TOKENS)
-    spec["model"]["vocab"] = {t: i for i, t in enumerate(order)}
-    backend = Tokenizer.from_str(json.dumps(spec))
-    return type(tokenizer)(tokenizer_object=backend, do_lower_case=True, cls_token="[CLS]", sep_token="[SEP]",
-                           pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
 
 
 def build_model(cfg: Config, tokenizer_dir: Path, load_pretrained: bool = True):

@@ -8,6 +8,7 @@ step it stopped at.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -38,17 +39,18 @@ def make_image_cache(cfg: Config, pre: PreprocessConfig, splits: dict[str, pd.Da
 
 
 class SeededAugment:
-    """Callable transform that reseeds the albumentations pipeline before each image.
+    """Callable transform that gives the albumentations pipeline fresh generators seeded by ``key`` per image.
 
-    ``key`` is set by ``EpochDataset`` just before the wrapped dataset calls the transform.
+    ``key`` (a tuple of ints) is set by ``EpochDataset`` just before the wrapped dataset calls the transform.
     """
 
     def __init__(self, transform):
         self.compose = transform.compose   # albumentations Compose inside clip_mini.data's ImageTransform
-        self.key: int = 0
+        self.key: tuple[int, ...] = (0,)
 
     def __call__(self, image: np.ndarray) -> torch.Tensor:
-        self.compose.set_random_seed(self.key)
+        rng = np.random.default_rng(self.key)   # SeedSequence mixing of the whole key
+        self.compose.set_random_state(rng, random.Random(int(rng.integers(2**63))))
         return self.compose(image=image)["image"].contiguous()   # (3, S, S) float32
 
 
@@ -62,8 +64,7 @@ class EpochDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i: int):
-        # SeedSequence mixes the three numbers well; 2**31 keeps the seed valid for every albumentations RNG.
-        self.augment.key = int(np.random.SeedSequence([self.seed, self.epoch, i]).generate_state(1)[0] % 2**31)
+        self.augment.key = (self.seed, self.epoch, int(i))
         return self.dataset[i]
 
 

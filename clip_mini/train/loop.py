@@ -7,8 +7,10 @@ per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and 
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
+from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
 from typing import Optional
 
@@ -42,11 +44,12 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
     check_train_config(cfg)
     owns_group = not torch.distributed.is_initialized()
     info = init_distributed()
-    try:
-        return _train(cfg, info, resume, stop_after)
-    finally:
+    with ExitStack() as stack:
         if owns_group:
-            cleanup()
+            stack.callback(cleanup)
+        if not info.is_main:   # rank 0 alone prints (the data loaders' messages too); errors still reach stderr
+            stack.enter_context(redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+        return _train(cfg, info, resume, stop_after)
 
 
 def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) -> dict:
@@ -104,12 +107,12 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
                                           f"differ; see the warning above): {e}") from None
         ckpt_io.set_rng_state(ckpt["rng"])   # last: building the model above drew from the RNG
         log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
-    elif main:
-        _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, 0.0)
     if main:
         print(f"train: {len(splits['train'])} captions / {splits['train']['image_id'].nunique()} images, "
               f"{steps_per_epoch} steps/epoch of {global_batch} pairs, {total} steps; "
               f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
+        if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
+            _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, 0.0)
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
