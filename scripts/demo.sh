@@ -5,7 +5,7 @@ BIN=${1:-.venv/bin}
 cd "$(dirname "$0")/.."
 
 if [ ! -f data/shapes/captions.csv ]; then
-  "$BIN/python" -m clip_mini.data.synthetic --out data/shapes --n 3000 --seed 0
+  "$BIN/python" -m clip_mini.data.synthetic --out data/shapes --n 10000 --seed 0
 fi
 "$BIN/clip-mini" train --config configs/tiny.yaml --set train.out_dir=runs/tiny
 "$BIN/clip-mini" eval --model runs/tiny/best --data configs/tiny.yaml --split val
