@@ -358,8 +358,7 @@ def test_corpus_is_large_enough():
 
 
 # Known bugs in code this file does not own: strict, so the fix makes the test fail until the mark is removed.
-KNOWN_BUGS = {"train-out-dir-is-a-file": "clip_mini/train/loop.py: run.mkdir raises a raw FileExistsError when "
-                                         "train.out_dir is a file (traceback instead of `error: ...`)"}
+KNOWN_BUGS: dict[str, str] = {}   # kind -> reason; such cases run as strict xfail until fixed
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=k, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[k])]

@@ -44,6 +44,8 @@ def check_train_config(cfg: Config) -> None:
 
 def check_run_dir(run: Path, resuming: bool) -> None:
     """Refuse to start a fresh run on top of another run's checkpoints (they would be mixed up)."""
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"train.out_dir {run} is a file, not a folder; choose another train.out_dir")
     ckpts = run / "checkpoints"
     if not resuming and ckpts.is_dir() and any(ckpts.glob("ckpt-*.pt")):
         raise TrainError(f"{run} already holds a run with checkpoints; continue it with --resume auto, or "
