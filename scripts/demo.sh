@@ -4,7 +4,7 @@ set -euo pipefail
 BIN=${1:-.venv/bin}
 cd "$(dirname "$0")/.."
 
-if [ ! -f data/shapes/captions.csv ]; then
+if [ ! -f data/shapes/images/train_09999.png ]; then   # absent, or an older/smaller generation
   "$BIN/python" -m clip_mini.data.synthetic --out data/shapes --n 10000 --seed 0
 fi
 "$BIN/clip-mini" train --config configs/tiny.yaml --set train.out_dir=runs/tiny
