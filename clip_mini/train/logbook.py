@@ -5,7 +5,7 @@ Rows (the contract ``clip_mini.viz.plot_curves`` reads):
 * ``{"kind": "step", "step", "epoch", "loss", "lr", "logit_scale", "grad_norm", "pairs_per_s", "data_wait"}``
   every ``train.log_every`` steps (``loss`` averaged over those steps; ``data_wait`` is the fraction of the
   time spent waiting for batches);
-* ``{"kind": "epoch", "step", "epoch", "train_loss", "val_loss", "val_t2i_r1", ..., "val_rsum", "time_s"}``
+* ``{"kind": "epoch", "step", "epoch", "train_loss", "val_loss", "val_t2i_r1", ..., "val_rsum", "time_s", "eval_s"}``
   after each evaluation (epoch 0 is the untrained model).
 
 The whole file is rewritten atomically at each flush (it stays small), so a reader never sees a torn line.

@@ -112,7 +112,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
               f"{steps_per_epoch} steps/epoch of {global_batch} pairs, {total} steps; "
               f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
         if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
-            _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, 0.0)
+            _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0)
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
@@ -172,8 +172,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             break
         # -- end of epoch: evaluate, keep the best model, checkpoint ---------------------------------------------
         if main:
-            val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1,
-                            time.time() - t0)
+            val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1, t0)
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]
                 model.save_pretrained(run / "best", extra={"trained": _provenance(state["step"], epoch + 1, val)})
@@ -248,14 +247,17 @@ def _eval_transform(model):
 
 
 def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog, state: dict, epoch_done: int,
-              elapsed: float) -> dict:
-    """Evaluate on the validation split, add the epoch row, rewrite ``metrics.jsonl`` and ``curves.png``."""
-    t = cfg.train
+              t0: float) -> dict:
+    """Evaluate on the validation split, add the epoch row, rewrite ``metrics.jsonl`` and ``curves.png``.
+
+    The row's ``time_s`` is the run's wall time so far (this process), ``eval_s`` the evaluation's share of it.
+    """
+    t, start = cfg.train, time.time()
     val = evaluate_model(model, df, transform, batch_size=t.eval_batch_size, cache=cache, device=device,
                          precision=t.precision, workers=cfg.data.workers)
     total, n = state["epoch_loss"]
     log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
-             **{f"val_{k}": v for k, v in val.items()}, "time_s": elapsed})
+             **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start})
     log.flush()
     write_curves(log.rows, log.path.parent / "curves.png")
     tqdm.write(f"epoch {epoch_done}: val loss {val['loss']:.4f}  t2i R@1/5/10 {val['t2i_r1']:.3f}/"
