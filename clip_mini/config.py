@@ -117,6 +117,9 @@ class TrainConfig:
     best_metric: str = "t2i_r1"
     max_bad_steps: int = 5
     eval_batch_size: int = 128
+    # > 0 with a locked image tower: precompute its outputs for this many views per image (view 0 the eval
+    # transform, the rest augmented) instead of running it every step; see clip_mini/train/frozen.py
+    frozen_features: int = 0
 
 
 @dataclass
@@ -156,7 +159,7 @@ def _check_ranges(cfg: Config) -> None:
         if not 0.0 <= flat[key] < 1.0:
             raise ConfigError(f"{key} must be in [0, 1), got {flat[key]!r}")
     for key in ("train.weight_decay", "train.warmup_steps", "train.grad_clip", "data.val", "data.test",
-                "data.workers", "train.checkpoint_every"):
+                "data.workers", "train.checkpoint_every", "train.frozen_features"):
         if flat[key] < 0:
             raise ConfigError(f"{key} must be >= 0, got {flat[key]!r}")
     if not 0.0 < cfg.data.scale_min <= 1.0:

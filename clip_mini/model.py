@@ -66,7 +66,11 @@ class CLIPModel(nn.Module):
 
     # -- encoders -------------------------------------------------------------------------------------------
     def encode_image(self, pixels: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        image_features = self.image_head(self.visual(pixels))  # (B, E)
+        return self.project_image(self.visual(pixels), normalize)
+
+    def project_image(self, tower_features: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """The image side after the tower: (B, tower width) -> (B, E). Used with precomputed tower outputs."""
+        image_features = self.image_head(tower_features)  # (B, E)
         return F.normalize(image_features, dim=-1) if normalize else image_features
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

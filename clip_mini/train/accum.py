@@ -16,7 +16,7 @@ Two details make the sum exact where open_clip's is not:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -35,8 +35,11 @@ class FeatureModel(nn.Module):
         super().__init__()
         self.clip = clip
 
-    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        image_features = self.clip.encode_image(pixels)                       # (B, E)
+    def forward(self, pixels: Optional[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                tower_features: Optional[torch.Tensor] = None):
+        # tower_features: a locked image tower's precomputed outputs (train.frozen_features) replace the pixels
+        image_features = (self.clip.encode_image(pixels) if tower_features is None
+                          else self.clip.project_image(tower_features))          # (B, E)
         text_features = self.clip.encode_text(input_ids, attention_mask)      # (B, E)
         return image_features, text_features, self.clip.scale()
 
@@ -58,7 +61,8 @@ def _rng_set(state, device: torch.device) -> None:
 
 def _features(model: nn.Module, batch: Batch, device: torch.device, precision: str):
     with autocast(device, precision):
-        image_features, text_features, scale = model(batch["pixels"], batch["input_ids"], batch["attention_mask"])
+        image_features, text_features, scale = model(batch.get("pixels"), batch["input_ids"], batch["attention_mask"],
+                                                     batch.get("tower_features"))
     # The loss (softmax over up to a few thousand logits) is computed in fp32 whatever the tower precision.
     return image_features.float(), text_features.float(), scale.float()
 

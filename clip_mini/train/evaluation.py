@@ -66,8 +66,8 @@ def _val_loss(image_features: torch.Tensor, text_features: torch.Tensor, image_i
 
 @torch.inference_mode()
 def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, cache=None,
-                   device: Optional[torch.device] = None, precision: str = "fp32", workers: int = 0
-                   ) -> dict[str, float]:
+                   device: Optional[torch.device] = None, precision: str = "fp32", workers: int = 0,
+                   tower_features: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> dict[str, float]:
     """Validation loss and retrieval metrics of ``model`` on a split table.
 
     Args:
@@ -77,6 +77,8 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
         batch_size: images / captions per forward pass, and pairs per loss batch.
         cache: optional ``ImageCache`` matching the transform's size.
         device, precision, workers: where and how to run.
+        tower_features: ``(features, ok)`` of a locked image tower for the split's images in ``image_id``
+            order (``train.frozen_features``); only the image head then runs.
 
     Returns:
         ``loss`` plus ``retrieval_metrics`` keys (``t2i_r1`` ... ``i2t_medr``, ``rsum``).
@@ -85,7 +87,13 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
     model.eval()
     ids = df["image_id"].to_numpy(dtype=np.int64)
     paths = df.drop_duplicates("image_id").sort_values("image_id")["path"].tolist()   # row j = image j
-    image_features = _image_features(model, paths, transform, cache, batch_size, device, precision, workers)
+    if tower_features is None:
+        image_features = _image_features(model, paths, transform, cache, batch_size, device, precision, workers)
+    else:
+        feats, ok = tower_features
+        with autocast(device, precision):
+            image_features = model.project_image(feats.to(device)).float()
+        image_features = image_features * ok.to(device)[:, None]   # unreadable: a zero vector that never hits
     text_features = _text_features(model, df["caption"].astype(str).tolist(), batch_size, device, precision)
     metrics = {"loss": _val_loss(image_features, text_features, ids, model.scale().float(), batch_size)}
     metrics.update(retrieval_metrics(image_features.cpu(), text_features.cpu(), torch.from_numpy(ids.copy())))

@@ -78,14 +78,29 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     model = build_model(cfg, run / "tokenizer", load_pretrained=ckpt is None).to(device)
     frozen = freeze_towers(model)
     optimizer = build_optimizer(model, t)
+    if ckpt:   # weights before anything reads them (DDP's broadcast, the frozen-feature pass)
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
+                                          f"differ; see the warning above): {e}") from None
     features = FeatureModel(model)
     if info.distributed:
         features = torch.nn.parallel.DistributedDataParallel(
             features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     loss_fn = ClipLoss()
     cache = make_image_cache(cfg, model.preprocess, splits)
-    inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer, model.cfg.text.max_length,
-                                info.rank, info.world_size, cache)
+    frozen_feats = None   # a locked image tower's outputs, computed once (train.frozen_features)
+    if t.frozen_features:
+        from clip_mini.train import frozen as frozen_io
+
+        frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier)
+        inputs = frozen_io.build_frozen_train_inputs(cfg, splits["train"], *frozen_feats["train"], model.tokenizer,
+                                                     model.cfg.text.max_length, info.rank, info.world_size)
+    else:
+        inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer,
+                                    model.cfg.text.max_length, info.rank, info.world_size, cache)
     steps_per_epoch = all_min(inputs.steps_per_epoch, device)
     global_batch = t.batch_size * t.accum_freq * info.world_size
     if steps_per_epoch == 0:
@@ -99,12 +114,9 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     log = MetricsLog(run / "metrics.jsonl")
     if ckpt:
         try:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
             state.update({k: ckpt[k] for k in state})
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
-                                          f"differ; see the warning above): {e}") from None
+        except KeyError as e:
+            raise ckpt_io.CheckpointError(f"{ckpt_path} lacks the training state {e}") from None
         ckpt_io.set_rng_state(ckpt["rng"])   # last: building the model above drew from the RNG
         log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
     if main:
@@ -112,7 +124,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
               f"{steps_per_epoch} steps/epoch of {global_batch} pairs, {total} steps; "
               f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
         if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
-            _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0)
+            _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0, frozen_feats)
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
@@ -172,7 +184,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             break
         # -- end of epoch: evaluate, keep the best model, checkpoint ---------------------------------------------
         if main:
-            val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1, t0)
+            val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1, t0,
+                            frozen_feats)
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]
                 model.save_pretrained(run / "best", extra={"trained": _provenance(state["step"], epoch + 1, val)})
@@ -247,14 +260,15 @@ def _eval_transform(model):
 
 
 def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog, state: dict, epoch_done: int,
-              t0: float) -> dict:
+              t0: float, frozen_feats: Optional[dict] = None) -> dict:
     """Evaluate on the validation split, add the epoch row, rewrite ``metrics.jsonl`` and ``curves.png``.
 
     The row's ``time_s`` is the run's wall time so far (this process), ``eval_s`` the evaluation's share of it.
     """
     t, start = cfg.train, time.time()
     val = evaluate_model(model, df, transform, batch_size=t.eval_batch_size, cache=cache, device=device,
-                         precision=t.precision, workers=cfg.data.workers)
+                         precision=t.precision, workers=cfg.data.workers,
+                         tower_features=frozen_feats["val"] if frozen_feats else None)
     total, n = state["epoch_loss"]
     log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
              **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start})
