@@ -39,9 +39,9 @@ def make_model(out: Path) -> Path:
 
 def make_index(out: Path, model_dir: Path, rows: int, image: Path) -> Path:
     from clip_mini.index_format import commit, writer_lock
-    from clip_mini.query import read_verified_manifest
+    from clip_mini.manifest import read_manifest
 
-    manifest = read_verified_manifest(model_dir)
+    manifest = read_manifest(model_dir)
     dim = json.loads((model_dir / "config.json").read_text())["model"]["embed_dim"]
     rng = np.random.default_rng(0)
     emb = rng.standard_normal((rows, dim)).astype(np.float32)

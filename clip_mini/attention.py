@@ -17,24 +17,6 @@ import torch
 Mode = Literal["mean", "rollout"]
 
 
-@torch.no_grad()
-def full_attention(trunk, pixels: torch.Tensor) -> list[torch.Tensor]:
-    """Attention probabilities of every layer of a timm ``VisionTransformer``: list of (B, heads, N, N)."""
-    x = trunk.patch_embed(pixels)
-    x = trunk._pos_embed(x)
-    x = trunk.norm_pre(trunk.patch_drop(x))
-    maps = []
-    for block in trunk.blocks:
-        attn = block.attn
-        h = block.norm1(x)
-        B, N, C = h.shape
-        qkv = attn.qkv(h).reshape(B, N, 3, attn.num_heads, C // attn.num_heads).permute(2, 0, 3, 1, 4)
-        q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])  # (B, nh, N, hs)
-        maps.append(((q * attn.scale) @ k.transpose(-2, -1)).softmax(-1))  # (B, nh, N, N)
-        x = block(x)
-    return maps
-
-
 def rollout(maps: list[torch.Tensor], num_prefix_tokens: int = 1) -> torch.Tensor:
     """Attention rollout from per-layer maps (B, heads, N, N): the CLS row over patches, (B, N - prefix)."""
     result = None
@@ -66,16 +48,9 @@ def attention_map(model, pixels: torch.Tensor, mode: Mode = "mean") -> np.ndarra
     elif mode == "rollout":
         if visual.cfg.backbone != "vit":
             raise ValueError(f"attention rollout needs a ViT image tower, this model uses {visual.cfg.backbone}")
-        trunk = visual.trunk
-        flat = rollout(full_attention(trunk, pixels), trunk.num_prefix_tokens)[0]
-        gh, gw = _grid(trunk, pixels)
-        heat = flat.reshape(gh, gw)
+        maps, grid = visual.attention_maps(pixels)
+        heat = rollout(maps, visual.trunk.num_prefix_tokens)[0].reshape(grid)
     else:
         raise ValueError(f"unknown attention mode {mode!r} (use 'mean' or 'rollout')")
     heat = heat.float().clamp_min(0).cpu().numpy()
     return (heat / max(float(heat.sum()), 1e-12)).astype(np.float32)
-
-
-def _grid(trunk, pixels: torch.Tensor) -> tuple[int, int]:
-    ph, pw = trunk.patch_embed.patch_size
-    return pixels.shape[-2] // ph, pixels.shape[-1] // pw

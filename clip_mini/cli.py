@@ -131,7 +131,7 @@ def _train(argv: list[str]) -> int:
     except ImportError as e:
         print(f"error: training is unavailable: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    status = train_main(argv)
+    status = train_main(argv, prog="clip-mini train")
     return int(status or 0)
 
 

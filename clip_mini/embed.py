@@ -20,14 +20,22 @@ class Embedder:
     """Text and image embedding functions for one saved model."""
 
     def __init__(self, model, device: str = "cpu", batch_size: int = 64):
-        from clip_mini.data import build_eval_transform
-
         self.model = model.to(device).eval()
         self.device = device
         self.batch_size = batch_size
-        self.transform = build_eval_transform(model.preprocess)
+        self._transform = None
         self.fingerprint = getattr(model, "fingerprint", None)
         self.dim = model.cfg.embed_dim
+
+    @property
+    def transform(self):
+        """The model's eval transform, built on first use: albumentations costs seconds to import, and a
+        text-only user never needs it."""
+        if self._transform is None:
+            from clip_mini.data import build_eval_transform
+
+            self._transform = build_eval_transform(self.model.preprocess)
+        return self._transform
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", batch_size: int = 64) -> "Embedder":

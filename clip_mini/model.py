@@ -6,7 +6,6 @@ and ``manifest.json`` (sha256 of every file plus a fingerprint that identifies t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -17,16 +16,12 @@ import torch.nn.functional as F
 
 from clip_mini.config import ConfigError, ModelConfig, PreprocessConfig, TextConfig, VisionConfig, from_dict
 from clip_mini.io import atomic_dir, atomic_write_json, sha256_file
+from clip_mini.manifest import (MODEL_FILES, ModelDirError, fingerprint as _fingerprint, model_fingerprint,
+                                 read_json as _read_json, read_manifest)
 from clip_mini.text import TextEncoder, build_tokenizer, load_tokenizer, resolve_text_config
 from clip_mini.vision import ImageEncoder
 
 FORMAT_VERSION = 1
-MODEL_FILES = ("config.json", "model.safetensors", "preprocess.json")
-
-
-class ModelDirError(ValueError):
-    """A model directory is missing, incomplete or corrupt; the message names the file."""
-
 
 class ProjectionHead(nn.Module):
     """Map a tower's features into the shared space: linear, or Linear→GELU→Linear + residual + LayerNorm."""
@@ -171,48 +166,6 @@ def apply_trainable(model: CLIPModel) -> None:
     for tower, trainable in ((model.visual, model.cfg.vision.trainable), (model.text, model.cfg.text.trainable)):
         for p in tower.parameters():
             p.requires_grad_(trainable)
-
-
-def _fingerprint(checksums: dict[str, str]) -> str:
-    blob = json.dumps(checksums, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise ModelDirError(f"model directory is missing {path.name}: {path}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelDirError(f"{path}: not valid JSON ({e})") from None
-
-
-def read_manifest(model_dir: str | Path, verify: bool = True) -> dict:
-    """Read ``manifest.json``; with ``verify`` every listed file must exist and match its sha256."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        what = "is a file, not a directory" if model_dir.exists() else "not found"
-        raise ModelDirError(f"model directory {what}: {model_dir}")
-    manifest = _read_json(model_dir / "manifest.json")
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "fingerprint" not in manifest:
-        raise ModelDirError(f"{model_dir / 'manifest.json'}: not a clip_mini model manifest")
-    for name in MODEL_FILES:
-        if name not in manifest["files"]:
-            raise ModelDirError(f"{model_dir}: manifest does not list {name}")
-    if verify:
-        for name, digest in manifest["files"].items():
-            path = model_dir / name
-            if not path.is_file():
-                raise ModelDirError(f"model directory is missing {name}: {path}")
-            if sha256_file(path) != digest:
-                raise ModelDirError(f"{path} is corrupt: its checksum does not match manifest.json")
-        if _fingerprint(manifest["files"]) != manifest["fingerprint"]:
-            raise ModelDirError(f"{model_dir / 'manifest.json'}: fingerprint does not match its checksums")
-    return manifest
-
-
-def model_fingerprint(model_dir: str | Path) -> str:
-    return read_manifest(model_dir, verify=False)["fingerprint"]
 
 
 __all__ = ["CLIPModel", "ProjectionHead", "ModelDirError", "read_manifest", "model_fingerprint",

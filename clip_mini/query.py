@@ -9,17 +9,18 @@ two agree to 1e-5. Image queries and anything else still go through the torch mo
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from clip_mini.manifest import ModelDirError, read_manifest
+
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
-class QueryEncoderError(ValueError):
+class QueryEncoderError(ModelDirError):
     """A model directory cannot serve fast text queries; the message names the file."""
 
 
@@ -43,36 +44,6 @@ def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.n
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
-def read_verified_manifest(model_dir: Path, verify: bool = True) -> dict:
-    """The model directory's manifest, with the files this module reads checked against their sha256.
-
-    Mirrors ``clip_mini.model.read_manifest`` (which imports torch) for the files needed here.
-    """
-    from clip_mini.io import sha256_file
-
-    mpath = model_dir / "manifest.json"
-    if not model_dir.is_dir():
-        what = "is a file, not a directory" if model_dir.exists() else "not found"
-        raise QueryEncoderError(f"model directory {what}: {model_dir}")
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-        files, fingerprint = manifest["files"], manifest["fingerprint"]
-    except FileNotFoundError:
-        raise QueryEncoderError(f"model directory is missing manifest.json: {model_dir}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise QueryEncoderError(f"{mpath}: not a clip_mini model manifest ({e})") from None
-    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-    if verify and digest != fingerprint:
-        raise QueryEncoderError(f"{mpath}: fingerprint does not match its checksums")
-    for name in _MODEL_FILES:
-        path = model_dir / name
-        if name not in files or not path.is_file():
-            raise QueryEncoderError(f"model directory is missing {name}: {path}")
-        if verify and sha256_file(path) != files[name]:
-            raise QueryEncoderError(f"{path} is corrupt: its checksum does not match manifest.json")
-    return manifest
-
-
 class NumpyTextEncoder:
     """``encode_text`` of a saved model, in numpy (eval mode: no dropout)."""
 
@@ -89,7 +60,10 @@ class NumpyTextEncoder:
         from tokenizers import Tokenizer
 
         model_dir = Path(model_dir)
-        manifest = read_verified_manifest(model_dir, verify)
+        try:
+            manifest = read_manifest(model_dir, verify, required=_MODEL_FILES)
+        except ModelDirError as e:
+            raise QueryEncoderError(str(e)) from None
         try:
             config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
             max_length = int(config["model"]["text"]["max_length"])

@@ -105,12 +105,11 @@ class ImageEncoder(nn.Module):
         return resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=self.trunk.num_prefix_tokens)
 
     @torch.no_grad()
-    def cls_attention(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Attention of the CLS token over the patches for every layer and head.
+    def attention_maps(self, pixels: torch.Tensor) -> tuple[list[torch.Tensor], tuple[int, int]]:
+        """Attention probabilities of every layer, recomputed from each block's own q/k projections.
 
         Returns:
-            (B, depth, heads, grid_h, grid_w) attention probabilities (each layer/head sums to <= 1 over
-            patches; the remainder went to the CLS token itself).
+            (list over layers of (B, heads, N, N) tensors, (grid_h, grid_w) of the patch grid).
         """
         if self.cfg.backbone != "vit":
             raise ValueError(f"CLS attention needs a ViT image tower, this model uses {self.cfg.backbone}")
@@ -126,11 +125,20 @@ class ImageEncoder(nn.Module):
             B, N, C = h.shape
             qkv = attn.qkv(h).reshape(B, N, 3, attn.num_heads, C // attn.num_heads).permute(2, 0, 3, 1, 4)
             q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])          # (B, nh, N, hs)
-            probs = ((q[:, :, :1] * attn.scale) @ k.transpose(-2, -1)).softmax(-1)  # (B, nh, 1, N)
-            maps.append(probs[:, :, 0, t.num_prefix_tokens:])
+            maps.append(((q * attn.scale) @ k.transpose(-2, -1)).softmax(-1))  # (B, nh, N, N)
             x = block(x)
-        out = torch.stack(maps, 1)  # (B, depth, nh, N_patches)
-        return out.reshape(*out.shape[:3], int(grid[0]), int(grid[1]))
+        return maps, (int(grid[0]), int(grid[1]))
+
+    def cls_attention(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Attention of the CLS token over the patches for every layer and head.
+
+        Returns:
+            (B, depth, heads, grid_h, grid_w) attention probabilities (each layer/head sums to <= 1 over
+            patches; the remainder went to the CLS token itself).
+        """
+        maps, grid = self.attention_maps(pixels)
+        out = torch.stack([m[:, :, 0, self.trunk.num_prefix_tokens:] for m in maps], 1)  # (B, depth, nh, N_patches)
+        return out.reshape(*out.shape[:3], *grid)
 
 
 def efficientnet_lite0_pypi_state(trunk: nn.Module) -> dict[str, torch.Tensor]:

@@ -84,3 +84,16 @@ def test_bad_image_inputs_are_named(model_dir, images, tmp_path):
         emb.encode_image([])
     with pytest.raises(InputError):
         emb.encode_image([12345])
+
+
+def test_text_embedding_never_imports_the_image_pipeline(model_dir, images):
+    # albumentations takes seconds to import; a text-only user (and the text half of search) must not pay for it
+    import subprocess
+    import sys
+
+    code = ("import sys, clip_mini; e = clip_mini.load(sys.argv[1]); e.encode_text(['a red circle']); "
+            "print('albumentations' in sys.modules); e.encode_image([sys.argv[2]]); "
+            "print('albumentations' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(model_dir), str(images[0])], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"]

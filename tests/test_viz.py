@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from clip_mini.attention import attention_map, full_attention, rollout
+from clip_mini.attention import attention_map, rollout
 from clip_mini.viz import attention_overlay, grid_size, plot_curves, result_grid
 
 from conftest import write_images
@@ -52,9 +52,21 @@ def test_attention_maps_of_a_vit(model_dir):
 
     model = CLIPModel.from_pretrained(model_dir)
     pixels = torch.randn(1, 3, 32, 32)
-    maps = full_attention(model.visual.trunk, pixels)
-    cls_rows = torch.stack([m[:, :, 0, 1:] for m in maps], 1).reshape(1, len(maps), -1, 4, 4)
-    torch.testing.assert_close(cls_rows, model.visual.cls_attention(pixels))   # same maps as the tower's own
+    # The maps we recompute equal timm's own attention probabilities (captured from its unfused path).
+    captured = []
+    for block in model.visual.trunk.blocks:
+        block.attn.fused_attn = False
+        block.attn.attn_drop.register_forward_hook(lambda mod, args, out: captured.append(args[0].detach()))
+    model.eval()
+    with torch.no_grad():
+        model.visual(pixels)
+    timm_maps = list(captured)   # attention_maps runs the blocks too; keep only the plain forward's maps
+    maps, grid = model.visual.attention_maps(pixels)
+    assert grid == (4, 4) and len(timm_maps) == len(maps) == 2
+    for ours, timms in zip(maps, timm_maps):
+        torch.testing.assert_close(ours, timms)
+    cls_rows = torch.stack([m[:, :, 0, 1:] for m in timm_maps], 1).reshape(1, len(maps), -1, 4, 4)
+    torch.testing.assert_close(model.visual.cls_attention(pixels), cls_rows)
     for mode in ("mean", "rollout"):
         heat = attention_map(model, pixels[0], mode)
         assert heat.shape == (4, 4) and heat.min() >= 0 and heat.sum() == pytest.approx(1.0, abs=1e-5)
