@@ -1,6 +1,10 @@
 """Speed of a full training step (both towers, loss, backward, AdamW) at the tiny and flickr8k configs.
 
-    python benchmarks/bench_train.py [--steps 8] [--warmup 2] [--configs tiny flickr8k]
+    python benchmarks/bench_train.py [--steps 8] [--warmup 2] [--configs tiny flickr8k flickr8k-pixels]
+
+``flickr8k`` trains on precomputed features of its locked image tower (``train.frozen_features``): its step is the
+image head, the text tower and the loss, and the one-time pass over the images is timed separately;
+``flickr8k-pixels`` is the same model running the tower at every step, for comparison.
 
 For each config: real batches from the real loader (cache on, as in training), ``forward_backward`` + gradient
 clipping + ``optimizer.step`` timed step by step. Reports pairs/s, the FLOPs of one step as counted by
@@ -54,11 +58,13 @@ def _config(name: str, tmp: Path):
 
             captions = generate(tmp / "shapes", n=1500) / "captions.csv"
         overrides.append(f"data.captions={captions}")
-    elif name == "flickr8k":
+    elif name.startswith("flickr8k"):
         if not FLICKR8K.is_file():
             return None
         overrides.append(f"data.captions={FLICKR8K}")
-    return load_config(ROOT / f"configs/{name}.yaml", overrides)
+        if name == "flickr8k-pixels":   # the same model with the locked tower run at every step
+            overrides.append("train.frozen_features=0")
+    return load_config(ROOT / f"configs/{name.split('-')[0]}.yaml", overrides)
 
 
 def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
@@ -79,8 +85,12 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
     optimizer = build_optimizer(model, t)
     features, loss_fn, device = FeatureModel(model), ClipLoss(), torch.device("cpu")
     cache = make_image_cache(cfg, model.preprocess, splits)
-    inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer, model.cfg.text.max_length,
-                                cache=cache)
+    feature_pass = None
+    if t.frozen_features:
+        inputs, feature_pass = _frozen_inputs(cfg, model, splits["train"], cache, device)
+    else:
+        inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer,
+                                    model.cfg.text.max_length, cache=cache)
     params = [p for p in model.parameters() if p.requires_grad]
     set_train_mode(model, True)
 
@@ -119,16 +129,41 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
         "trainable_params": sum(p.numel() for p in params), "step_s": step_s, "pairs_per_s": pairs / step_s,
         "gflop_per_step": flops / 1e9, "achieved_gflops": flops / 1e9 / step_s,
         "data_wait_fraction": sum(waits) / sum(totals), "image_cache": cache is not None,
-        "data_workers": cfg.data.workers,
-        "steps_timed": len(totals),
+        "data_workers": cfg.data.workers, "frozen_features": t.frozen_features,
+        "frozen_feature_pass": feature_pass, "steps_timed": len(totals),
     }
+
+
+def _frozen_inputs(cfg, model, df, cache, device, images: int = 256):
+    """Batches of precomputed tower features, and the images/s of the one-time pass that computes them.
+
+    The step reads random rows of the right shape (what they hold does not change the step's cost); the one-time
+    pass is timed on ``images`` real images through the tower, as ``train.frozen_features`` runs it.
+    """
+    from clip_mini.data import build_eval_transform
+    from clip_mini.train import frozen as frozen_io
+
+    n = df["image_id"].nunique()
+    feats = torch.randn(cfg.train.frozen_features, n, model.visual.width)
+    inputs = frozen_io.build_frozen_train_inputs(cfg, df, feats, torch.ones(n, dtype=torch.bool), model.tokenizer,
+                                                 model.cfg.text.max_length)
+    paths = frozen_io.split_paths(df)[:images]
+    ds = frozen_io._ViewDataset(paths, build_eval_transform(model.preprocess), None, cache, cfg.train.seed)
+    frozen_io.compute_view(model, ds, 0, 64, device, cfg.train.precision, cfg.data.workers, "warm-up")
+    t0 = time.perf_counter()
+    frozen_io.compute_view(model, ds, 0, cfg.train.eval_batch_size, device, cfg.train.precision, cfg.data.workers,
+                           "feature pass")
+    per_s = len(paths) / (time.perf_counter() - t0)
+    return inputs, {"images_per_s": per_s, "images_timed": len(paths),
+                    "train_split_pass_s": n * cfg.train.frozen_features / per_s}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--configs", nargs="+", default=["tiny", "flickr8k"])
+    p.add_argument("--configs", nargs="+", default=["tiny", "flickr8k", "flickr8k-pixels"],
+                   help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     if args.threads:

@@ -70,27 +70,36 @@ def test_store_is_reused_and_recomputed_when_an_image_changes(shapes, tmp_path, 
     model, splits = _model(cfg, run)
     device = torch.device("cpu")
     first = frozen_io.load_or_compute(model, cfg, splits["val"], "val", 1, run, None, device)
-    assert (run / "frozen_features" / "val.safetensors").is_file()
+    store = run / "frozen_features" / "val-view0.safetensors"
+    assert store.is_file()
     calls = []
-    real = frozen_io.compute_features
-    monkeypatch.setattr(frozen_io, "compute_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = frozen_io.compute_view
+    monkeypatch.setattr(frozen_io, "compute_view", lambda m, d, view, *a, **k: calls.append(view) or
+                        real(m, d, view, *a, **k))
     again = frozen_io.load_or_compute(model, cfg, splits["val"], "val", 1, run, None, device)
     assert calls == [] and torch.equal(again[0], first[0])
+    # more views: view 0 is reused, only the new (augmented) ones are computed
+    from clip_mini.data import build_train_transform
+    from clip_mini.train.inputs import SeededAugment
+
+    augment = SeededAugment(build_train_transform(model.preprocess, cfg.data))
+    three = frozen_io.load_or_compute(model, cfg, splits["val"], "val", 3, run, None, device, augment)
+    assert calls == [1, 2] and three[0].shape[0] == 3 and torch.equal(three[0][0], first[0][0])
+    calls.clear()
     # an edited image file (new mtime) invalidates the store
     path = frozen_io.split_paths(splits["val"])[0]
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     frozen_io.load_or_compute(model, cfg, splits["val"], "val", 1, run, None, device)
-    assert calls == [1]
+    assert calls == [0]
     # other tower weights invalidate it too; a damaged store is recomputed, not trusted
     with torch.no_grad():
         next(model.visual.parameters()).add_(1.0)
     changed = frozen_io.load_or_compute(model, cfg, splits["val"], "val", 1, run, None, device)
-    assert calls == [1, 1] and not torch.allclose(changed[0], first[0])
-    store = run / "frozen_features" / "val.safetensors"
+    assert calls == [0, 0] and not torch.allclose(changed[0], first[0])
     store.write_bytes(store.read_bytes()[:100])
     frozen_io.load_or_compute(model, cfg, splits["val"], "val", 1, run, None, device)
-    assert calls == [1, 1, 1]
+    assert calls == [0, 0, 0]
 
 
 def test_unreadable_image_rows_are_replaced_by_a_readable_pair(shapes, tmp_path):
@@ -124,7 +133,7 @@ def test_training_on_precomputed_features_learns_and_resumes_bitwise(shapes, tmp
     assert ref["step"] == 20
     rows = [r for r in _rows(tmp_path / "ref") if r["kind"] == "epoch"]
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]   # the heads and the text tower learnt against the locked tower
-    assert (tmp_path / "ref" / "frozen_features" / "train.safetensors").is_file()
+    assert (tmp_path / "ref" / "frozen_features" / "train-view1.safetensors").is_file()
     run = tmp_path / "paused"
     assert train(_cfg(shapes, run, *extra), stop_after=3)["stopped"]
     train(_cfg(shapes, run, *extra), resume="auto")

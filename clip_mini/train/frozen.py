@@ -7,10 +7,10 @@ augmentation, each seeded by ``(seed, view, image)``), and training reads those 
 ``e % N``. Only the image projection head, the text tower and the temperature then cost anything per step.
 Validation images get the eval view once, too.
 
-The features are stored in the run directory (``frozen_features/{split}.safetensors``, written atomically) with a
-key over everything they depend on (the image files' paths, sizes and mtimes, the tower config and weights, the
-preprocessing, the augmentation settings, the view count, the seed and the precision), so a resumed run reuses
-them and a changed input recomputes them.
+Each view is stored in the run directory (``frozen_features/{split}-view{v}.safetensors``, written atomically)
+with a key over everything it depends on (the image files' paths, sizes and mtimes, the tower config and weights,
+the precision, and for augmented views the augmentation settings and the seed), so a resumed run reuses them, a
+run with more views computes only the new ones, and a changed input recomputes them.
 """
 from __future__ import annotations
 
@@ -37,8 +37,12 @@ def split_paths(df: pd.DataFrame) -> list[str]:
     return df.drop_duplicates("image_id").sort_values("image_id")["path"].astype(str).tolist()
 
 
-def features_key(cfg: Config, paths: list[str], views: int, tower_state: dict[str, torch.Tensor]) -> str:
-    """Hash of everything the stored features depend on; a mismatch means recompute."""
+def features_key(cfg: Config, paths: list[str], view: int, tower_state: dict[str, torch.Tensor]) -> str:
+    """Hash of everything one view's stored features depend on; a mismatch means recompute.
+
+    View 0 (the eval transform) depends on the images, the tower and the precision only, so runs that differ in
+    their view count or augmentation share it; an augmented view also depends on the augmentation and the seed.
+    """
     h = hashlib.sha256()
     files = []
     for p in paths:
@@ -47,10 +51,11 @@ def features_key(cfg: Config, paths: list[str], views: int, tower_state: dict[st
             files.append((p, st.st_size, st.st_mtime_ns))
         except OSError:
             files.append((p, -1, -1))   # unreadable now: its row is zeros, recomputed if it comes back
-    data = {k: getattr(cfg.data, k) for k in ("scale_min", "color_jitter", "hflip")} if views > 1 else {}
+    aug = ({"data": {k: getattr(cfg.data, k) for k in ("scale_min", "color_jitter", "hflip")},
+            "seed": cfg.train.seed} if view else {})
     h.update(json.dumps({"format": FORMAT, "files": files, "vision": dataclasses.asdict(cfg.model.vision),
-                         "data": data, "views": views, "seed": cfg.train.seed,
-                         "precision": cfg.train.precision}, sort_keys=True, default=str).encode())
+                         "view": view, "precision": cfg.train.precision, **aug},
+                        sort_keys=True, default=str).encode())
     for name in sorted(tower_state):   # the weights themselves: a different checkpoint, different features
         h.update(name.encode())
         h.update(tower_state[name].detach().float().cpu().numpy().tobytes())
@@ -78,60 +83,65 @@ class _ViewDataset(Dataset):
 
 
 @torch.inference_mode()
-def compute_features(model, dataset: _ViewDataset, views: int, batch_size: int, device: torch.device,
-                     precision: str, workers: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(views, N, D)`` tower outputs and an ``(N,)`` bool mask of images that could be read."""
-    n, out, ok_all = len(dataset), [], torch.ones(len(dataset), dtype=torch.bool)
+def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, device: torch.device, precision: str,
+                 workers: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, D)`` tower outputs of one view and an ``(N,)`` bool mask of the images that could be read."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model.visual.eval()
-    bar = tqdm(total=n * views, desc=desc, unit="img", dynamic_ncols=True)
-    for view in range(views):
-        dataset.view = view
-        loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
-                            generator=torch.Generator())   # never moves the global RNG (exact resume)
-        rows, done = [], 0
-        for pixels, _, ok in loader:
-            with autocast(device, precision):
-                rows.append(model.visual(pixels.to(device)).to(dtype).cpu())
-            ok_all[done:done + len(ok)] &= ok
-            done += len(ok)
-            bar.update(len(ok))
-        out.append(torch.cat(rows))
-    bar.close()
-    return torch.stack(out), ok_all
+    dataset.view = view
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                        generator=torch.Generator())   # never moves the global RNG (exact resume)
+    rows, oks = [], []
+    for pixels, _, ok in tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True):
+        with autocast(device, precision):
+            rows.append(model.visual(pixels.to(device)).to(dtype).cpu())
+        oks.append(ok)
+    return torch.cat(rows), torch.cat(oks)
+
+
+def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") != key:
+                return None
+            features, ok = f.get_tensor("features"), f.get_tensor("ok")
+    except (SafetensorError, OSError):
+        return None   # damaged or foreign: recompute (it is a cache, never the only copy of anything)
+    return (features, ok) if features.shape[0] == n and ok.shape == (n,) else None
 
 
 def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int, run: Path, cache,
                     device: torch.device, augment=None, write: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split's stored features when their key matches, else computed now (and stored, if ``write``)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
+    """``(views, N, D)`` features and the ``(N,)`` readable mask of a split: each view read from
+    ``frozen_features/{split}-view{v}.safetensors`` when its key matches, else computed (and stored, if ``write``).
+    """
+    from safetensors.torch import save_file
 
     from clip_mini.data import build_eval_transform
     from clip_mini.io import atomic_path
 
     paths = split_paths(df)
-    key = features_key(cfg, paths, views, model.visual.state_dict())
-    path = run / "frozen_features" / f"{split}.safetensors"
-    if path.is_file():
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(path), "pt") as f:
-                stored_key = (f.metadata() or {}).get("key")
-            if stored_key == key:
-                t = load_file(str(path))
-                if t["features"].shape[:2] == (views, len(paths)):
-                    return t["features"], t["ok"]
-        except (SafetensorError, OSError, KeyError):
-            pass   # damaged or foreign: recompute (it is a cache, never the only copy of anything)
-    dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
-    features, ok = compute_features(model, dataset, views, cfg.train.eval_batch_size, device, cfg.train.precision,
-                                    cfg.data.workers, desc=f"frozen image features ({split})")
-    if write:
-        with atomic_path(path) as tmp:
-            save_file({"features": features.contiguous(), "ok": ok}, str(tmp), metadata={"key": key})
-    return features, ok
+    state = model.visual.state_dict()
+    dataset, features, ok_all = None, [], torch.ones(len(paths), dtype=torch.bool)
+    for view in range(views):
+        key = features_key(cfg, paths, view, state)
+        path = run / "frozen_features" / f"{split}-view{view}.safetensors"
+        got = _read_view(path, key, len(paths))
+        if got is None:
+            if dataset is None:
+                dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
+            got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
+                               cfg.data.workers, desc=f"frozen image features ({split}, view {view + 1}/{views})")
+            if write:
+                with atomic_path(path) as tmp:
+                    save_file({"features": got[0].contiguous(), "ok": got[1]}, str(tmp), metadata={"key": key})
+        features.append(got[0])
+        ok_all &= got[1]
+    return torch.stack(features), ok_all
 
 
 class FrozenFeatureDataset(Dataset):
