@@ -91,10 +91,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     if not Path(model_dir).is_dir():
         raise EmbeddingIndexError(f"model directory {model_dir} (used to build {args.index}) is gone: pass --model")
     if args.query is not None:
-        from clip_mini.manifest import model_fingerprint
-        from clip_mini.query import NumpyTextEncoder
+        from clip_mini.manifest import read_manifest
+        from clip_mini.query import QUERY_FILES, NumpyTextEncoder
 
-        index.check_model(model_fingerprint(model_dir), f"model {model_dir}")
+        manifest = read_manifest(model_dir, verify=False, required=QUERY_FILES)   # full check in load() below
+        index.check_model(manifest["fingerprint"], f"model {model_dir}")
         queries = NumpyTextEncoder.load(model_dir).encode_text([args.query])
     else:
         import clip_mini

@@ -35,8 +35,8 @@ def read_json(path: Path) -> Any:
 
 
 def read_manifest(model_dir: str | Path, verify: bool = True, required: Sequence[str] = MODEL_FILES) -> dict:
-    """Read ``manifest.json``; it must list every ``required`` file, and with ``verify`` the fingerprint must match
-    the checksums and every listed file must exist and match its sha256."""
+    """Read ``manifest.json``; every ``required`` file must be listed and present, and with ``verify`` the
+    fingerprint must match the checksums and every listed file must exist and match its sha256."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         what = "is a file, not a directory" if model_dir.exists() else "not found"
@@ -48,6 +48,8 @@ def read_manifest(model_dir: str | Path, verify: bool = True, required: Sequence
     for name in required:
         if name not in manifest["files"]:
             raise ModelDirError(f"{model_dir}: manifest does not list {name}")
+        if not (model_dir / name).is_file():
+            raise ModelDirError(f"model directory is missing {name}: {model_dir / name}")
     if verify:
         if fingerprint(manifest["files"]) != manifest["fingerprint"]:
             raise ModelDirError(f"{model_dir / 'manifest.json'}: fingerprint does not match its checksums")

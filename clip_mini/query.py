@@ -17,7 +17,7 @@ import numpy as np
 
 from clip_mini.manifest import ModelDirError, read_manifest
 
-_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+QUERY_FILES = ("config.json", "model.safetensors", "tokenizer.json")   # what the numpy path reads
 
 
 class QueryEncoderError(ModelDirError):
@@ -61,7 +61,7 @@ class NumpyTextEncoder:
 
         model_dir = Path(model_dir)
         try:
-            manifest = read_manifest(model_dir, verify, required=_MODEL_FILES)
+            manifest = read_manifest(model_dir, verify, required=QUERY_FILES)
         except ModelDirError as e:
             raise QueryEncoderError(str(e)) from None
         try:

@@ -1,5 +1,6 @@
 """Reliability of index builds under SIGKILL and of readers racing a writer (separate processes)."""
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from clip_mini.index import EmbeddingIndex
 from clip_mini.image_files import scan_images
 
 ROOT = Path(__file__).resolve().parents[1]
+# SIGKILL trials per crash test: a few in CI, many with scripts/crash_trials.sh
+KILL_TRIALS = int(os.environ.get("CLIP_MINI_KILL_TRIALS", "2"))
 
 SLOW_BUILD = """
 import sys, time
@@ -58,27 +61,34 @@ print(loads, len(generations))
 def test_sigkill_mid_build_then_resume_equals_one_pass(tmp_path, model_dir, image_folder):
     embedder = clip_mini.load(model_dir)
     files = scan_images(image_folder)
-    out = tmp_path / "idx"
-    EmbeddingIndex.build(out, embedder, files[:4], progress=False)   # generation 1: the first 4 images
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(model_dir), str(image_folder), str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not (out / ".work" / "chunk-000001.json").exists():
-        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-        assert time.time() < deadline, "the build never wrote two chunks"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # Readers still see generation 1, intact.
-    before = EmbeddingIndex.load(out, verify=True)
-    assert before.manifest["generation"] == 1 and len(before) == 4
-    resumed = EmbeddingIndex.build(out, embedder, files, progress=False)
     one = EmbeddingIndex.build(tmp_path / "one", embedder, files, progress=False)
-    assert resumed.items["path"] == one.items["path"] == sorted(files)   # nothing missing, no duplicates
-    assert resumed.items["sha256"] == one.items["sha256"]
-    np.testing.assert_allclose(np.asarray(resumed.embeddings, np.float32), np.asarray(one.embeddings, np.float32),
-                               atol=2e-3)
-    assert not list(out.glob(".*.tmp*")) and not (out / ".work").exists()
+    rng = random.Random(os.getpid())
+    for trial in range(KILL_TRIALS):
+        out = tmp_path / f"idx{trial}"
+        EmbeddingIndex.build(out, embedder, files[:4], progress=False)   # generation 1: the first 4 images
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(model_dir), str(image_folder), str(out)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # Kill at a random point: once the build has started or its first chunk is on disk, then 0 to 0.3 s on
+        # (mid-embedding or mid-write of a chunk; each batch of 2 takes over 0.4 s, so the build is still running).
+        chunks, deadline = rng.randint(0, 1), time.time() + 120
+        marker = out / ".work" / f"chunk-{chunks - 1:06d}.json" if chunks else out / ".work"
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            assert time.time() < deadline, "the build never wrote its chunks"
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))
+        assert proc.poll() is None, "the build ended before the kill"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        # Readers still see generation 1, intact.
+        before = EmbeddingIndex.load(out, verify=True)
+        assert before.manifest["generation"] == 1 and len(before) == 4
+        resumed = EmbeddingIndex.build(out, embedder, files, progress=False)
+        assert resumed.items["path"] == one.items["path"] == sorted(files)   # nothing missing, no duplicates
+        assert resumed.items["sha256"] == one.items["sha256"]
+        np.testing.assert_allclose(np.asarray(resumed.embeddings, np.float32),
+                                   np.asarray(one.embeddings, np.float32), atol=2e-3)
+        assert not list(out.glob(".*.tmp*")) and not (out / ".work").exists()
 
 
 @pytest.mark.slow

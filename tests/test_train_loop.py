@@ -21,6 +21,8 @@ from clip_mini.train import TrainError, train
 from clip_mini.train.checkpoint import CheckpointError, load_checkpoint, read_index
 
 ROOT = Path(__file__).resolve().parents[1]
+# SIGKILL trials per crash test: a few in CI, many with scripts/crash_trials.sh
+KILL_TRIALS = int(os.environ.get("CLIP_MINI_KILL_TRIALS", "2"))
 TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
         "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
         "model.text.hidden_dim=128", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=32",
@@ -164,7 +166,7 @@ def test_sigkill_at_a_random_point_then_resume_matches_an_uninterrupted_run(shap
     train(_cfg(shapes, tmp_path / "ref", *extra))
     ref = _weights(tmp_path / "ref")
     rng = random.Random(os.getpid())
-    for trial in range(2):
+    for trial in range(KILL_TRIALS):
         run = tmp_path / f"killed{trial}"
         target = rng.randint(1, 18)   # of 20 steps: kill during the step (or checkpoint write) after this one
         proc = subprocess.Popen(_cli(shapes, run, extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
