@@ -37,12 +37,9 @@ def split_paths(df: pd.DataFrame) -> list[str]:
     return df.drop_duplicates("image_id").sort_values("image_id")["path"].astype(str).tolist()
 
 
-def features_key(cfg: Config, paths: list[str], view: int, tower_state: dict[str, torch.Tensor]) -> str:
-    """Hash of everything one view's stored features depend on; a mismatch means recompute.
-
-    View 0 (the eval transform) depends on the images, the tower and the precision only, so runs that differ in
-    their view count or augmentation share it; an augmented view also depends on the augmentation and the seed.
-    """
+def inputs_digest(cfg: Config, paths: list[str], tower_state: dict[str, torch.Tensor]) -> str:
+    """Hash of what every view depends on: the image files (path, size, mtime), the tower config and weights,
+    the precision. Computed once per split; ``features_key`` adds what differs between views."""
     h = hashlib.sha256()
     files = []
     for p in paths:
@@ -51,15 +48,24 @@ def features_key(cfg: Config, paths: list[str], view: int, tower_state: dict[str
             files.append((p, st.st_size, st.st_mtime_ns))
         except OSError:
             files.append((p, -1, -1))   # unreadable now: its row is zeros, recomputed if it comes back
-    aug = ({"data": {k: getattr(cfg.data, k) for k in ("scale_min", "color_jitter", "hflip")},
-            "seed": cfg.train.seed} if view else {})
     h.update(json.dumps({"format": FORMAT, "files": files, "vision": dataclasses.asdict(cfg.model.vision),
-                         "view": view, "precision": cfg.train.precision, **aug},
-                        sort_keys=True, default=str).encode())
+                         "precision": cfg.train.precision}, sort_keys=True, default=str).encode())
     for name in sorted(tower_state):   # the weights themselves: a different checkpoint, different features
         h.update(name.encode())
         h.update(tower_state[name].detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def features_key(digest: str, cfg: Config, view: int) -> str:
+    """Key of one view's stored features; a mismatch means recompute.
+
+    View 0 (the eval transform) depends on ``inputs_digest`` only, so runs that differ in their view count or
+    augmentation share it; an augmented view also depends on the augmentation and the seed.
+    """
+    aug = ({"data": {k: getattr(cfg.data, k) for k in ("scale_min", "color_jitter", "hflip")},
+            "seed": cfg.train.seed} if view else {})
+    blob = json.dumps({"inputs": digest, "view": view, **aug}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class _ViewDataset(Dataset):
@@ -125,10 +131,10 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
     from clip_mini.io import atomic_path
 
     paths = split_paths(df)
-    state = model.visual.state_dict()
+    digest = inputs_digest(cfg, paths, model.visual.state_dict())
     dataset, features, ok_all = None, [], torch.ones(len(paths), dtype=torch.bool)
     for view in range(views):
-        key = features_key(cfg, paths, view, state)
+        key = features_key(digest, cfg, view)
         path = run / "frozen_features" / f"{split}-view{view}.safetensors"
         got = _read_view(path, key, len(paths))
         if got is None:
