@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VIT = ["model.vision.backbone=vit", "model.vision.pretrained=null", "model.vision.trainable=true",
        "model.vision.image_size=96", "model.vision.patch_size=16", "model.vision.width=256",
-       "model.vision.depth=6", "model.vision.heads=4", "train.lr_image=1e-3"]
+       "model.vision.depth=6", "model.vision.heads=4", "train.lr_image=1e-3", "train.frozen_features=0"]
 VARIANTS = {
     "a": VIT + ["model.text.pretrained=null", "model.text.dim=256", "model.text.n_layers=4", "model.text.n_heads=4",
                 "model.text.hidden_dim=1024", "model.text.vocab_size=8000", "train.lr_text=1e-3"],
