@@ -66,7 +66,8 @@ def test_accumulated_micro_batches_equal_one_big_batch():
 
     # ... and so the AdamW update is the same. Adam's first step is about lr * sign(grad), so entries whose
     # exact gradient is zero (the attention key bias: softmax ignores a constant shift) carry only rounding
-    # noise of either sign; they are left out of the comparison.
+    # noise of either sign; they are left out of the comparison: an entry counts when its gradient is clearly
+    # above Adam's eps and far above the difference between the two ways of computing it.
     states = []
     for batches in ([batch], _split(batch, 2)):
         m, _ = _model()
@@ -76,7 +77,9 @@ def test_accumulated_micro_batches_equal_one_big_batch():
         states.append(dict(m.named_parameters()))
     compared = 0
     for name, g in grads_big.items():
-        well_defined = (g.abs() > 1e-6) | (g == 0)   # exactly 0: tokens absent from the batch
+        noise = (g - grads_acc[name]).abs()
+        exact_zero = (g == 0) & (noise == 0)   # tokens absent from the batch: no update either way
+        well_defined = ((g.abs() > 1e-6) & (g.abs() > 100 * noise)) | exact_zero
         diff = (states[0][name] - states[1][name]).abs()[well_defined]
         assert diff.numel() == 0 or diff.max() <= 1e-6, name
         compared += diff.numel()
