@@ -14,18 +14,36 @@ KS = (1, 5, 10)
 
 
 def _ranks_of_first_hit(sim: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-    """0-based rank of the best-ranked positive in each row. sim, positives: (Q, N)."""
-    # The rank of the best positive = number of items scoring strictly higher than it (ties count in our favour
-    # only when scores are exactly equal, which random features never give).
+    """0-based rank of the best-ranked positive in each row: how many non-positive items score >= it.
+
+    Ties count against the query: a collapsed tower (every score equal) must rank its positives last, not
+    first. A NaN score is never "lower" than anything, so NaN rows rank last too. sim, positives: (Q, N).
+    """
     best_pos = sim.masked_fill(~positives, float("-inf")).max(dim=1, keepdim=True).values  # (Q, 1)
-    return (sim > best_pos).sum(dim=1)
+    return (~(sim < best_pos) & ~positives).sum(dim=1)
+
+
+def median_rank(ranks: torch.Tensor) -> float:
+    """Median of 1-based ranks; for an even count the mean of the two middle ranks (``torch.median`` would
+    return the lower one, flattering the model)."""
+    return float(np.median(ranks.double().cpu().numpy()))
+
+
+def _as_float(x: torch.Tensor | np.ndarray, name: str) -> torch.Tensor:
+    t = (x if torch.is_tensor(x) else torch.as_tensor(np.asarray(x))).float()
+    if t.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D (rows, dim) array, got shape {tuple(t.shape)}")
+    bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()
+    if len(bad):
+        raise ValueError(f"{name} has non-finite values in {len(bad)} row(s), first row {bad[0].item()}")
+    return t
 
 
 @torch.no_grad()
 def retrieval_metrics(image_features: torch.Tensor | np.ndarray, text_features: torch.Tensor | np.ndarray,
                       text_image_ids: Sequence[int] | torch.Tensor | np.ndarray,
                       ks: Sequence[int] = KS, chunk: int = 4096) -> dict[str, float]:
-    """Recall@K both ways and median rank (1-based).
+    """Recall@K both ways and median rank (1-based; ties count against the query, see ``_ranks_of_first_hit``).
 
     Args:
         image_features: (N_img, E) L2-normalised, row j is image j.
@@ -33,11 +51,10 @@ def retrieval_metrics(image_features: torch.Tensor | np.ndarray, text_features: 
         text_image_ids: (N_txt,) image index (0..N_img-1) of each caption.
 
     Returns:
-        ``t2i_r1, t2i_r5, t2i_r10, t2i_medr, i2t_r1, ..., i2t_medr, rsum`` (recalls in [0, 1]).
+        ``t2i_r1, t2i_r5, t2i_r10, t2i_medr, i2t_r1, ..., i2t_medr, rsum`` (recalls in [0, 1]; a median rank
+        over an even number of queries is the mean of the two middle ranks).
     """
-    img = torch.as_tensor(np.asarray(image_features) if not torch.is_tensor(image_features) else image_features)
-    txt = torch.as_tensor(np.asarray(text_features) if not torch.is_tensor(text_features) else text_features)
-    img, txt = img.float(), txt.float()
+    img, txt = _as_float(image_features, "image_features"), _as_float(text_features, "text_features")
     ids = torch.as_tensor(np.asarray(text_image_ids), dtype=torch.long)
     n_img = img.shape[0]
     if ids.numel() != txt.shape[0]:
@@ -60,7 +77,7 @@ def retrieval_metrics(image_features: torch.Tensor | np.ndarray, text_features: 
     for name, ranks in (("t2i", torch.cat(t2i)), ("i2t", torch.cat(i2t))):
         for k in ks:
             out[f"{name}_r{k}"] = (ranks < k).float().mean().item()
-        out[f"{name}_medr"] = float((ranks + 1).float().median().item())
+        out[f"{name}_medr"] = median_rank(ranks + 1)
     out["rsum"] = sum(out[f"{n}_r{k}"] for n in ("t2i", "i2t") for k in ks)
     return out
 
@@ -74,10 +91,15 @@ def zero_shot_accuracy(image_features: torch.Tensor, class_text_features: torch.
         image_features: (N, E) L2-normalised.
         class_text_features: (C, E) L2-normalised, one row per class (prompt templates already averaged).
         labels: (N,) true class index of each image.
+
+    A class tying the true one ranks ahead of it, so a collapsed image tower scores no better than chance.
     """
-    img = torch.as_tensor(image_features).float()
-    cls = torch.as_tensor(class_text_features).float()
+    img, cls = _as_float(image_features, "image_features"), _as_float(class_text_features, "class_text_features")
     y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    if y.numel() != img.shape[0]:
+        raise ValueError(f"{y.numel()} labels for {img.shape[0]} images")
+    if y.numel() and (y.min() < 0 or y.max() >= cls.shape[0]):
+        raise ValueError(f"labels must lie in [0, {cls.shape[0]}), got [{y.min()}, {y.max()}]")
     sim = img @ cls.T  # (N, C)
-    ranks = (sim > sim.gather(1, y[:, None])).sum(1)
+    ranks = _ranks_of_first_hit(sim, torch.nn.functional.one_hot(y, cls.shape[0]).bool())
     return {f"top{k}": (ranks < k).float().mean().item() for k in ks if k <= cls.shape[0]}

@@ -91,6 +91,8 @@ def test_recall_at_k_matches_hand_computation():
     assert m["t2i_r3"] == pytest.approx(1.0)
     assert m["t2i_medr"] == 1.0
     # image -> text, columns of the same matrix: image 0 best caption is 0 (0.9); image 1: captions score
-    # 0.1, 0.1, 0.3 -> its caption 1 ties for 2nd (ties count in its favour); image 2: caption 2 (0.6) is 1st.
+    # 0.1, 0.1, 0.3 -> its caption 1 ties caption 0 for 2nd, and a tie counts against it: 3rd; image 2:
+    # caption 2 (0.6) is 1st.
     assert m["i2t_r1"] == pytest.approx(2 / 3)
-    assert m["i2t_r2"] == pytest.approx(1.0)
+    assert m["i2t_r2"] == pytest.approx(2 / 3)
+    assert m["i2t_r3"] == pytest.approx(1.0)
