@@ -54,13 +54,11 @@ def split_by_image(df: pd.DataFrame, val: float = 0.1, test: float = 0.0, seed: 
     rng = np.random.default_rng(seed)
     free = images[(assign == "train").to_numpy()]
     free = free[rng.permutation(len(free))]
-    start = 0
-    for name, size in (("val", val), ("test", test)):
-        if name in fixed:
-            continue
-        k = _count(size, len(images), name)
-        assign[free[start:start + k]] = name
-        start += k
+    # val from the front of the permutation, test from the back: neither depends on the other's size, so
+    # resizing val for tuning never moves a test image, and val is the same as before a test split was added.
+    k_val, k_test = (0 if n in fixed else _count(s, len(images), n) for n, s in (("val", val), ("test", test)))
+    assign[free[:k_val]] = "val"
+    assign[free[max(k_val, len(free) - k_test):]] = "test"   # overlap would leave no train: refused below
     if not (assign == "train").any():
         raise DataError(f"the split leaves no training images (val={val}, test={test}, {len(images)} images)")
     labels = df["path"].map(assign)
