@@ -23,6 +23,13 @@ from clip_mini.vision import ImageEncoder
 
 FORMAT_VERSION = 1
 
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """L2-normalise rows in fp32: under bf16 autocast ``F.normalize`` returns bf16 rows whose norms are off by
+    ~6e-4, enough to reorder near-tied retrieval scores. (B, E) -> (B, E) float32."""
+    return F.normalize(x.float(), dim=-1)
+
+
 class ProjectionHead(nn.Module):
     """Map a tower's features into the shared space: linear, or Linear→GELU→Linear + residual + LayerNorm."""
 
@@ -66,12 +73,12 @@ class CLIPModel(nn.Module):
     def project_image(self, tower_features: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """The image side after the tower: (B, tower width) -> (B, E). Used with precomputed tower outputs."""
         image_features = self.image_head(tower_features)  # (B, E)
-        return F.normalize(image_features, dim=-1) if normalize else image_features
+        return _unit_rows(image_features) if normalize else image_features
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     normalize: bool = True) -> torch.Tensor:
         text_features = self.text_head(self.text(input_ids, attention_mask))  # (B, E)
-        return F.normalize(text_features, dim=-1) if normalize else text_features
+        return _unit_rows(text_features) if normalize else text_features
 
     def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

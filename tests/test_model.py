@@ -40,6 +40,18 @@ def test_output_shapes_and_normalisation(model):
     torch.testing.assert_close(logits_per_image, model.scale() * img @ txt.T)
 
 
+def test_features_are_fp32_unit_rows_under_bf16_autocast(model):
+    """bf16 F.normalize left norms at 0.9993-0.9995; rows must be normalised in fp32 whatever the autocast."""
+    tok = model.tokenize(CAPTIONS)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        feats = [model.encode_image(torch.randn(4, 3, 32, 32)),
+                 model.encode_text(tok["input_ids"], tok["attention_mask"]),
+                 model.project_image(torch.randn(4, model.visual.width))]
+    for f in feats:
+        assert f.dtype == torch.float32
+        assert f.double().norm(dim=-1).sub(1).abs().max().item() < 1e-6
+
+
 def test_vit_built_at_64_runs_at_96_and_returns_cls_state():
     torch.manual_seed(0)
     enc = ImageEncoder(VisionConfig(image_size=64, patch_size=8, width=32, depth=2, heads=2)).eval()
