@@ -108,3 +108,68 @@ def test_zero_shot_ties_count_against_the_true_class():
     assert perfect["top1"] == 1.0
     with pytest.raises(ValueError, match="labels must lie in"):
         zero_shot_accuracy(classes, classes, [0, 1, 2, 4])
+
+
+# -- unreadable images in an evaluation split ---------------------------------------------------------------
+def _scores(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("n_")}
+
+
+@pytest.fixture(scope="module")
+def split_with_bad_image(tmp_path_factory):
+    """A tiny untrained model, a 6-image split (2 captions each) and the same split's image 2 made unreadable."""
+    import pandas as pd
+
+    from clip_mini.model import CLIPModel
+
+    from conftest import tiny_model_config, write_images
+
+    folder = tmp_path_factory.mktemp("evalsplit")
+    paths = [str(p) for p in write_images(folder / "good", 6, seed=5, size=32)]
+    words = ["red", "blue", "green", "yellow", "pink", "grey"]
+    rows = [(p, f"a {w} {shape}", i) for i, (p, w) in enumerate(zip(paths, words)) for shape in ("circle", "star")]
+    df = pd.DataFrame(rows, columns=["path", "caption", "image_id"])
+    bad = df.copy()
+    bad_path = folder / "broken.png"
+    bad_path.write_bytes(b"not a png")
+    bad.loc[bad["image_id"] == 2, "path"] = str(bad_path)
+    torch.manual_seed(0)
+    model = CLIPModel.build(tiny_model_config(), captions=df["caption"].tolist()).eval()
+    return model, df, bad
+
+
+@pytest.mark.filterwarnings("ignore:skipping unreadable image")
+def test_unreadable_image_is_dropped_with_its_captions(split_with_bad_image, capsys):
+    from clip_mini.data import build_eval_transform
+    from clip_mini.train.evaluation import drop_unreadable, evaluate_model
+
+    model, df, bad = split_with_bad_image
+    transform = build_eval_transform(model.preprocess)
+    got = evaluate_model(model, bad, transform, batch_size=4)
+    assert "left out 1 unreadable image(s) and their 2 caption(s)" in capsys.readouterr().out
+    expected, dropped = drop_unreadable(df, np.arange(6) != 2)
+    assert dropped == [df.loc[4, "path"]] and expected["image_id"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    ref = evaluate_model(model, expected, transform, batch_size=4)
+    # the split without that image: its row no longer takes part (float noise only: image batches differ)
+    assert _scores(got) == pytest.approx(_scores(ref), abs=1e-6)
+    assert (got["n_images"], got["n_captions"], got["n_dropped_images"], got["n_dropped_captions"]) == (5, 10, 1, 2)
+    assert ref["n_dropped_images"] == 0
+
+
+def test_precomputed_tower_features_drop_unreadable_images_too(split_with_bad_image):
+    from clip_mini.data import build_eval_transform, load_image
+    from clip_mini.train.evaluation import evaluate_model
+
+    model, df, _ = split_with_bad_image
+    transform = build_eval_transform(model.preprocess)
+    paths = df.drop_duplicates("image_id")["path"].tolist()
+    with torch.no_grad():
+        tower = model.visual(torch.stack([transform(load_image(p)) for p in paths]))
+    ok = torch.tensor([True, True, False, True, True, True])
+    got = evaluate_model(model, df, transform, batch_size=4, tower_features=(tower, ok))
+    keep = df["image_id"] != 2
+    ref = evaluate_model(model, df[keep].assign(image_id=df["image_id"][keep].map({0: 0, 1: 1, 3: 2, 4: 3, 5: 4})),
+                         transform, batch_size=4, tower_features=(tower[ok], ok[ok]))
+    assert _scores(got) == _scores(ref) and got["n_dropped_images"] == 1 and got["n_images"] == 5
+    with pytest.raises(Exception, match="none of the 6 evaluation images could be read"):
+        evaluate_model(model, df, transform, batch_size=4, tower_features=(tower, torch.zeros(6, dtype=torch.bool)))

@@ -17,19 +17,37 @@ from clip_mini.train.accum import autocast
 
 
 def _image_features(model, paths: list[str], transform, cache, batch_size: int, device: torch.device,
-                    precision: str, workers: int) -> torch.Tensor:
+                    precision: str, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, E)`` features and an ``(N,)`` bool mask of the images that could be read (their rows are junk)."""
     from torch.utils.data import DataLoader
 
     from clip_mini.data import ImageDataset
 
     loader = DataLoader(ImageDataset(paths, transform, cache), batch_size=batch_size, num_workers=workers,
                         generator=torch.Generator())   # never moves the global RNG (exact resume)
-    out = []
+    out, oks = [], []
     for pixels, _, ok in loader:
         with autocast(device, precision):
-            feats = model.encode_image(pixels.to(device)).float()
-        out.append(feats * ok.to(device)[:, None])   # an unreadable image gets a zero vector: it never hits
-    return torch.cat(out)
+            out.append(model.encode_image(pixels.to(device)).float())
+        oks.append(ok)
+    return torch.cat(out), torch.cat(oks)
+
+
+def drop_unreadable(df: pd.DataFrame, ok: torch.Tensor | np.ndarray) -> tuple[pd.DataFrame, list[str]]:
+    """The rows of ``df`` whose image is readable, with ``image_id`` made dense again, and the dropped paths.
+
+    An unreadable image embedded as any fixed vector would still be scored (a zero vector ties everything), so
+    it leaves the evaluation with all its captions. ``ok`` is indexed by ``image_id``.
+    """
+    ok = np.asarray(ok, dtype=bool)
+    ids = df["image_id"].to_numpy(dtype=np.int64)
+    if ok.all():
+        return df, []
+    dropped = df[~ok[ids]].drop_duplicates("image_id")["path"].astype(str).tolist()
+    new_id = np.cumsum(ok) - 1   # old image_id -> new dense image_id (valid where ok)
+    kept = df[ok[ids]].copy()
+    kept["image_id"] = new_id[kept["image_id"].to_numpy(dtype=np.int64)]
+    return kept.reset_index(drop=True), dropped
 
 
 def _text_features(model, captions: list[str], batch_size: int, device: torch.device,
@@ -81,20 +99,37 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
             order (``train.frozen_features``); only the image head then runs.
 
     Returns:
-        ``loss`` plus ``retrieval_metrics`` keys (``t2i_r1`` ... ``i2t_medr``, ``rsum``).
+        ``loss`` plus ``retrieval_metrics`` keys (``t2i_r1`` ... ``i2t_medr``, ``rsum``), computed over the
+        readable images only, and the counts ``n_images``, ``n_captions`` (scored), ``n_dropped_images`` and
+        ``n_dropped_captions`` (unreadable images and their captions, left out and reported by a printed line).
+
+    Raises:
+        DataError: no image of the split could be read.
     """
+    from clip_mini.data import DataError
+
     device = device or next(model.parameters()).device
     model.eval()
-    ids = df["image_id"].to_numpy(dtype=np.int64)
     paths = df.drop_duplicates("image_id").sort_values("image_id")["path"].tolist()   # row j = image j
     if tower_features is None:
-        image_features = _image_features(model, paths, transform, cache, batch_size, device, precision, workers)
+        image_features, ok = _image_features(model, paths, transform, cache, batch_size, device, precision,
+                                             workers)
     else:
         feats, ok = tower_features
         with autocast(device, precision):
             image_features = model.project_image(feats.to(device)).float()
-        image_features = image_features * ok.to(device)[:, None]   # unreadable: a zero vector that never hits
-    text_features = _text_features(model, df["caption"].astype(str).tolist(), batch_size, device, precision)
+    ok = ok.bool().cpu()
+    kept, dropped = drop_unreadable(df, ok)
+    if dropped:
+        if not len(kept):
+            raise DataError(f"none of the {len(paths)} evaluation images could be read (e.g. {dropped[0]})")
+        print(f"eval: left out {len(dropped)} unreadable image(s) and their {len(df) - len(kept)} caption(s), "
+              f"e.g. {dropped[0]}")
+    image_features = image_features[ok.to(image_features.device)]
+    ids = kept["image_id"].to_numpy(dtype=np.int64)
+    text_features = _text_features(model, kept["caption"].astype(str).tolist(), batch_size, device, precision)
     metrics = {"loss": _val_loss(image_features, text_features, ids, model.scale().float(), batch_size)}
     metrics.update(retrieval_metrics(image_features.cpu(), text_features.cpu(), torch.from_numpy(ids.copy())))
+    metrics.update(n_images=len(image_features), n_captions=len(kept), n_dropped_images=len(dropped),
+                   n_dropped_captions=len(df) - len(kept))
     return metrics
