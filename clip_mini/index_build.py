@@ -22,10 +22,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from clip_mini.bounded_read import sha256_regular_file
 from clip_mini.image_files import iter_image_features
 from clip_mini.index import EmbeddingIndex
 from clip_mini.index_format import EmbeddingIndexError, commit, current_generation, writer_lock
-from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text, sha256_file
+from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text
 
 _BLOCK = 16384   # rows copied per step when writing a generation
 
@@ -98,7 +99,7 @@ def _hash_all(paths: list[str], progress: bool) -> tuple[dict[str, str], dict[st
     hashes, failed = {}, {}
     for p in tqdm(paths, desc="hashing new files", unit="file", disable=not progress or len(paths) < 1000):
         try:
-            hashes[p] = sha256_file(p)
+            hashes[p] = sha256_regular_file(p)   # a pipe or /dev/zero named *.jpg must not hang the build
         except OSError as e:
             failed[p] = f"cannot read: {e.strerror or e}"
     return hashes, failed

@@ -13,11 +13,14 @@ composited on white, because captions describe what a viewer sees; CMYK goes thr
 """
 from __future__ import annotations
 
+import io
 import os
 from typing import Iterable, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from clip_mini.bounded_read import UnreadableFileError, read_file
 
 # 64 MP: far above any photo a CLIP pipeline needs, far below what would exhaust memory when decoded (~200 MB).
 DEFAULT_MAX_PIXELS = 64_000_000
@@ -28,7 +31,14 @@ _EXT_FORMATS = {
     ".bmp": {"BMP", "DIB"}, ".webp": {"WEBP"}, ".tif": {"TIFF"}, ".tiff": {"TIFF"}, ".ppm": {"PPM"},
     ".pgm": {"PPM"}, ".pbm": {"PPM"},
 }
+# Only these decoders run: Pillow would otherwise try every format it knows, EPS included (which runs Ghostscript).
+# (MPO is not listed: Pillow's JPEG opener returns it.)
+_FORMATS = ["BMP", "DIB", "GIF", "JPEG", "PNG", "PPM", "TIFF", "WEBP"]
+# 1 GiB: above any image within DEFAULT_MAX_PIXELS (64 MP of 16-bit RGBA is 512 MB uncompressed); the bytes are
+# read into memory before decoding, so an endless or huge file must stop here.
+DEFAULT_MAX_FILE_BYTES = 1 << 30
 _TAIL = 4096   # bytes read from the end of a JPEG to look for its end-of-image marker
+_HEAD = 1 << 16   # bytes read for the header check; files whose header is longer are read whole
 
 ImageSource = Union[str, os.PathLike, Image.Image, np.ndarray]
 
@@ -60,21 +70,33 @@ def load_image(src: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.nda
     if not isinstance(src, (str, os.PathLike)):
         raise ImageError(repr(src)[:80], f"unsupported image source type {type(src).__name__}")
     path = os.fspath(src)
+    data = _read_whole(path)
     try:
-        with Image.open(path) as im:
+        with Image.open(io.BytesIO(data), formats=_FORMATS) as im:
             return _from_pil(im, path, max_pixels)
     except ImageError:
         raise
-    except FileNotFoundError:
-        raise ImageError(path, "missing file") from None
     except UnidentifiedImageError:
-        reason = "empty file (0 bytes)" if os.path.getsize(path) == 0 else "not an image"
-        raise ImageError(path, reason) from None
+        raise ImageError(path, "not an image (or a format other than " + ", ".join(_FORMATS) + ")") from None
     except Image.DecompressionBombError as e:
         raise ImageError(path, f"too many pixels ({e})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         # Pillow reports truncation and corrupt data as OSError ("image file is truncated", "broken data stream").
-        raise ImageError(path, f"cannot decode: {e}") from None
+        raise ImageError(path, f"cannot decode: {type(e).__name__}: {e}") from None
+
+
+def _read_whole(path: str) -> bytes:
+    try:
+        data = read_file(path, max_bytes=DEFAULT_MAX_FILE_BYTES)[0]
+    except FileNotFoundError:
+        raise ImageError(path, "missing file") from None
+    except UnreadableFileError as e:
+        raise ImageError(path, e.reason) from None
+    except OSError as e:
+        raise ImageError(path, f"cannot read: {e.strerror or e}") from None
+    if not data:
+        raise ImageError(path, "empty file (0 bytes)")
+    return data
 
 
 def _from_pil(im: Image.Image, name: str, max_pixels: int) -> np.ndarray:
@@ -135,41 +157,51 @@ def _to_uint8(arr: np.ndarray, name: str) -> np.ndarray:
 def probe_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, listings: dict | None = None) -> str | None:
     """Header-only check of one file; returns a reason string if it is unusable, else None."""
     try:
-        size = os.path.getsize(path)
+        head, tail, size = read_file(path, head=_HEAD, tail=_TAIL, max_bytes=DEFAULT_MAX_FILE_BYTES)
     except FileNotFoundError:
         return "missing file" + _case_hint(path, {} if listings is None else listings)
+    except UnreadableFileError as e:
+        return e.reason
     except OSError as e:
-        return f"cannot stat: {e.strerror or e}"
+        return f"cannot read: {e.strerror or e}"
     if size == 0:
         return "empty file (0 bytes)"
+    header = _header(head)
+    if isinstance(header, str) and size > len(head):   # a header longer than _HEAD (big EXIF, TIFF IFD at the end)
+        try:
+            header = _header(read_file(path, max_bytes=DEFAULT_MAX_FILE_BYTES)[0])
+        except OSError as e:
+            return f"cannot read: {getattr(e, 'reason', None) or e.strerror or e}"
+    if isinstance(header, str):
+        return header
+    fmt, (w, h) = header
+    if w * h > max_pixels:
+        return f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (decompression bomb?)"
+    ext = os.path.splitext(path)[1].lower()
+    if ext in _EXT_FORMATS and fmt not in _EXT_FORMATS[ext]:
+        return f"wrongly named: extension {ext} but the content is {fmt}"
+    return _tail_check(fmt, tail)
+
+
+def _header(data: bytes) -> tuple[str, tuple[int, int]] | str:
+    """``(format, (width, height))`` from the start of a file, or the reason it cannot be read."""
     try:
-        with Image.open(path) as im:
-            fmt, (w, h) = im.format, im.size
+        with Image.open(io.BytesIO(data), formats=_FORMATS) as im:
+            return im.format, im.size
     except UnidentifiedImageError:
         return "not an image"
     except Image.DecompressionBombError as e:
         return f"too many pixels ({e})"
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         return f"unreadable header: {e}"
-    if w * h > max_pixels:
-        return f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (decompression bomb?)"
-    ext = os.path.splitext(path)[1].lower()
-    if ext in _EXT_FORMATS and fmt not in _EXT_FORMATS[ext]:
-        return f"wrongly named: extension {ext} but the content is {fmt}"
-    return _tail_check(path, fmt, size)
 
 
-def _tail_check(path: str, fmt: str, size: int) -> str | None:
+def _tail_check(fmt: str, tail: bytes) -> str | None:
     # A cheap truncation test: JPEGs end with the EOI marker FFD9, PNGs with the IEND chunk. Inside JPEG
     # entropy data 0xFF is always stuffed (FF00), so FFD9 in the tail means the stream really ended.
-    if fmt not in ("JPEG", "MPO", "PNG"):
-        return None
-    with open(path, "rb") as f:
-        f.seek(max(0, size - _TAIL))
-        tail = f.read()
     if fmt == "PNG" and b"IEND" not in tail[-12:]:
         return "truncated (no PNG IEND chunk)"
-    if fmt != "PNG" and b"\xff\xd9" not in tail:
+    if fmt in ("JPEG", "MPO") and b"\xff\xd9" not in tail:
         return "truncated (no JPEG end-of-image marker)"
     return None
 

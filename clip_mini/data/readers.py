@@ -17,6 +17,8 @@ from typing import Optional
 
 import pandas as pd
 
+from clip_mini.bounded_read import UnreadableFileError, read_file
+
 COLUMNS = ["path", "image", "caption", "image_id"]
 _FLICKR_LINE = re.compile(r"^(?P<name>[^\t#]+)#\d+\t(?P<caption>.*)$")
 _ROOT_PROBE = 20   # names checked when guessing whether images live in an images/ subfolder
@@ -50,10 +52,7 @@ def read_captions(path: str | Path, image_root: Optional[str | Path] = None, fmt
             that escapes the image root.
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataError(f"captions file {what}: {path}")
-    raw = path.read_bytes()
+    raw = read_input_file(path, "captions file")
     fmt = detect_format(path, raw) if fmt == "auto" else fmt
     if fmt == "coco":
         names, captions, rows = _read_coco(path, raw)
@@ -81,6 +80,23 @@ def read_captions(path: str | Path, image_root: Optional[str | Path] = None, fmt
     df.insert(0, "path", _resolve_paths(path, root, df["image"], df["row"]))
     df["image_id"] = dense_ids(df["path"])
     return df[COLUMNS], skipped
+
+
+def read_input_file(path: Path, what: str) -> bytes:
+    """All bytes of a regular file, read without blocking without bound; else ``DataError`` naming ``what``.
+
+    A named pipe, socket or device (``captions.csv -> /dev/zero``) is refused instead of blocking or never ending.
+    """
+    if path.is_dir():
+        raise DataError(f"{what} is a directory, not a file: {path}")
+    try:
+        return read_file(path)[0]
+    except FileNotFoundError:
+        raise DataError(f"{what} not found: {path}") from None
+    except UnreadableFileError as e:
+        raise DataError(f"{what} {path}: {e.reason}") from None
+    except OSError as e:
+        raise DataError(f"{what} {path}: cannot read: {e.strerror or e}") from None
 
 
 def detect_format(path: Path, raw: bytes) -> str:

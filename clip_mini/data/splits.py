@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from clip_mini.data.readers import DataError, dense_ids
+from clip_mini.data.readers import DataError, dense_ids, read_input_file
 
 NameList = Union[str, os.PathLike, Sequence[str]]
 SPLITS = ("train", "val", "test")
@@ -60,18 +60,29 @@ def split_by_image(df: pd.DataFrame, val: float = 0.1, test: float = 0.0, seed: 
     assign[free[:k_val]] = "val"
     assign[free[max(k_val, len(free) - k_test):]] = "test"   # overlap would leave no train: refused below
     if not (assign == "train").any():
-        raise DataError(f"the split leaves no training images (val={val}, test={test}, {len(images)} images)")
+        raise DataError(f"the split leaves no training images (data.val={_fmt_size(val)}, "
+                        f"data.test={_fmt_size(test)}, {len(images)} images); use a smaller data.val or data.test")
     labels = df["path"].map(assign)
     return {name: _subset(df, (labels == name).to_numpy()) for name in SPLITS}
 
 
 def _count(size: float, n: int, name: str) -> int:
-    if size < 0:
-        raise DataError(f"{name} size must be >= 0, got {size}")
+    if not size >= 0:   # also NaN
+        raise DataError(f"data.{name} must be >= 0 (a fraction < 1 or a count of images), got {size}")
+    if size >= 1 and size != int(size):
+        raise DataError(f"data.{name}={size} is neither a fraction (< 1) nor a whole count of images; "
+                        f"use a whole number such as {int(size)}, or a fraction such as 0.1")
     k = int(round(size * n)) if size < 1 else int(size)
     if k >= n:
-        raise DataError(f"{name} split of {size} would take all {n} images")
+        what = f"{k} images" if size >= 1 else f"{size} of the images ({k})"
+        fix = f"at most {n - 1}, or a fraction such as 0.1" if n > 1 else "0: too few images to hold any out"
+        raise DataError(f"the {name} split of {what} would take all {n} images; use a smaller data.{name} ({fix})")
     return k
+
+
+def _fmt_size(size: float) -> str:
+    """A split size as the config would say it: counts as integers (300, not 300.0), fractions as they are."""
+    return str(int(size)) if size >= 1 and size == int(size) else str(size)
 
 
 def _subset(df: pd.DataFrame, mask: np.ndarray) -> pd.DataFrame:
@@ -84,9 +95,12 @@ def read_name_list(names: NameList) -> list[str]:
     """Names from a split file (blank lines and ``#`` comments ignored) or from a sequence."""
     if isinstance(names, (str, os.PathLike)):
         path = Path(names)
-        if not path.is_file():
-            raise DataError(f"split file not found: {path}")
-        lines = path.read_text(encoding="utf-8").splitlines()
+        raw = read_input_file(path, "split file")
+        try:
+            lines = raw.decode("utf-8-sig").splitlines()
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise DataError(f"{path}: line {line}: not valid UTF-8; re-save the file as UTF-8") from None
         return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     return [str(n).strip() for n in names]
 

@@ -1,0 +1,183 @@
+"""Reading input files so that no read blocks without bound.
+
+A folder of "images" or a captions file can name things that are not regular files, and opening or reading
+those blocks or never ends:
+
+* a named pipe (FIFO): ``open()`` waits for a writer, forever if none comes; ``read()`` then waits for data;
+* a socket: ``open()`` fails (ENXIO), but nothing useful can be read from it anyway;
+* a device node, e.g. ``photo.jpg -> /dev/zero``: reads never end (memory grows until the process dies), and
+  merely opening some devices waits (a serial line without carrier) or has side effects (a watchdog starts);
+* a regular file on a stalled network or FUSE mount: ``stat``/``open``/``read`` sleep uninterruptibly in the
+  kernel, and no flag changes that.
+
+So: the path is ``stat``-ed first and anything but a regular file (symlinks are followed) is refused before it
+is opened; it is then opened with ``O_NONBLOCK`` (a FIFO swapped in after the ``stat`` cannot block the open)
+and ``fstat``-ed again on the open descriptor, which is what is actually read. Reads are capped at the size
+``fstat`` reported (a file that keeps growing does not keep us reading) and at ``max_bytes``. Last, the whole
+operation runs on a helper thread and the caller waits at most ``timeout`` seconds: a stalled mount cannot be
+interrupted, so the stuck thread is abandoned (it is a daemon thread, and the next read gets a fresh one) and
+the file is reported as unreadable.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import stat
+import threading
+from typing import Callable, Optional, TypeVar
+
+# Generous for any local disk: a whole 1 GiB file reads in a few seconds even from a slow disk.
+READ_TIMEOUT_S = 60.0
+
+T = TypeVar("T")
+
+
+class UnreadableFileError(OSError):
+    """A file that must not or could not be read: not a regular file, too large, or too slow.
+
+    An ``OSError`` (``strerror`` is the reason), so callers that already treat unreadable files as ``OSError``
+    keep working; ``path`` names the file and ``reason`` says why.
+    """
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(reason)
+        self.path, self.reason, self.strerror, self.filename = str(path), reason, reason, str(path)
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` describes, in words ("named pipe (FIFO)", "socket", ...)."""
+    kinds = [(stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "named pipe (FIFO)"),
+             (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")]
+    return next((name for test, name in kinds if test(mode)), f"special file (mode {mode:o})")
+
+
+def check_regular(path: str | os.PathLike) -> os.stat_result:
+    """``os.stat(path)`` (links followed), or ``UnreadableFileError`` when it is not a regular file.
+
+    Raises:
+        FileNotFoundError: the path does not exist (or is a dangling link).
+        UnreadableFileError: it is a pipe, socket, device node or directory.
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnreadableFileError(os.fspath(path), f"not a regular file but a {file_kind(st.st_mode)}; skipped")
+    return st
+
+
+def read_file(path: str | os.PathLike, head: Optional[int] = None, tail: int = 0,
+              max_bytes: Optional[int] = None, timeout: Optional[float] = None) -> tuple[bytes, bytes, int]:
+    """The first ``head`` bytes (all when None) and the last ``tail`` bytes of a regular file, and its size.
+
+    Args:
+        path: the file; a link to a regular file is fine.
+        head: bytes to read from the start; None reads the whole file.
+        tail: bytes to read from the end (0: none); they may overlap the head.
+        max_bytes: refuse files larger than this before reading anything.
+        timeout: seconds the whole read may take (default ``READ_TIMEOUT_S``).
+
+    Raises:
+        FileNotFoundError, PermissionError, ...: as ``open`` raises them.
+        UnreadableFileError: not a regular file, larger than ``max_bytes``, or not read within ``timeout``.
+    """
+    path = os.fspath(path)
+
+    def work(fd: int, size: int) -> tuple[bytes, bytes, int]:
+        if max_bytes is not None and size > max_bytes:
+            raise UnreadableFileError(path, f"{size} bytes is more than the limit of {max_bytes}")
+        first = _read_at(fd, 0, size if head is None else min(head, size))
+        last = _read_at(fd, max(0, size - tail), min(tail, size)) if tail else b""
+        return first, last, size
+
+    return run_bounded(path, lambda: _with_regular_fd(path, work), timeout)
+
+
+def sha256_regular_file(path: str | os.PathLike, max_bytes: Optional[int] = None,
+                        timeout: Optional[float] = None, chunk: int = 1 << 20) -> str:
+    """sha256 hex digest of a regular file's bytes, read under the same rules as ``read_file``."""
+    path = os.fspath(path)
+
+    def work(fd: int, size: int) -> str:
+        if max_bytes is not None and size > max_bytes:
+            raise UnreadableFileError(path, f"{size} bytes is more than the limit of {max_bytes}")
+        h, done = hashlib.sha256(), 0
+        while done < size:
+            block = os.pread(fd, min(chunk, size - done), done)
+            if not block:
+                break   # the file shrank while being read; hash what there is, as a plain read would
+            h.update(block)
+            done += len(block)
+        return h.hexdigest()
+
+    return run_bounded(path, lambda: _with_regular_fd(path, work), timeout)
+
+
+def _with_regular_fd(path: str, work: Callable[[int, int], T]) -> T:
+    check_regular(path)   # refuse devices before opening them: opening some has side effects
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)   # the descriptor we read, not whatever the name pointed at a moment ago
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableFileError(path, f"not a regular file but a {file_kind(st.st_mode)}; skipped")
+        return work(fd, st.st_size)
+    finally:
+        os.close(fd)
+
+
+def _read_at(fd: int, offset: int, n: int) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        block = os.pread(fd, n - done, offset + done)
+        if not block:
+            break   # shorter than fstat said (truncated meanwhile): the decoder reports what is missing
+        parts.append(block)
+        done += len(block)
+    return b"".join(parts)
+
+
+# -- the helper thread -----------------------------------------------------------------------------------------
+class _Worker:
+    """One daemon thread running read jobs in order; abandoned (never joined) when a job overruns."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="clip_mini-bounded-read", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, box, done = self.jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as e:   # handed to the waiting caller, which re-raises it
+                box.append((False, e))
+            done.set()
+
+
+_local = threading.local()   # one worker per calling thread, so one caller's stalled file never delays another
+
+
+def run_bounded(path: str, fn: Callable[[], T], timeout: Optional[float] = None) -> T:
+    """Run ``fn`` on a helper thread and wait at most ``timeout`` seconds (default ``READ_TIMEOUT_S``).
+
+    Raises:
+        UnreadableFileError: ``fn`` did not finish in time (naming ``path``); whatever ``fn`` raised otherwise.
+    """
+    timeout = READ_TIMEOUT_S if timeout is None else timeout
+    worker: Optional[_Worker] = getattr(_local, "worker", None)
+    if worker is None or worker.pid != os.getpid():   # threads do not survive fork (DataLoader workers)
+        worker = _local.worker = _Worker()
+    box: list = []
+    done = threading.Event()
+    worker.jobs.put((fn, box, done))
+    if not done.wait(timeout):
+        _local.worker = None   # stuck in the kernel; leave it and start a fresh thread next time
+        raise UnreadableFileError(path, f"not read within {timeout:g} s (a stalled network or FUSE mount?); "
+                                        "skipped")
+    ok, value = box[0]
+    if ok:
+        return value
+    raise value
