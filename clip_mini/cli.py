@@ -78,7 +78,11 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ev.add_argument("--images", help="zero-shot: ImageFolder root (one subfolder per class)")
     ev.add_argument("--label-col", default="label", help="zero-shot: label column of a labels CSV")
     ev.add_argument("--template", action="append", help="zero-shot prompt with {} (repeatable)")
-    ev.add_argument("--batch-size", type=_positive_int, default=64)
+    ev.add_argument("--batch-size", type=_positive_int, default=None,
+                    help="images/captions per pass and pairs per loss batch (default: the model's training "
+                         "eval_batch_size, else the config's; 64 for zero-shot)")
+    ev.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                    help="autocast precision (default: the one the model was trained and evaluated at, else fp32)")
     ev.add_argument("--workers", type=_count, default=0)
     ev.add_argument("--json", action="store_true")
 
@@ -110,7 +114,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "clip-mini", commands
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:
-        if not is_user_error(e):
+        # An OSError (permission denied, a read-only folder) is the environment, not a bug, and names its file.
+        if not (is_user_error(e) or isinstance(e, OSError)):
             raise
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

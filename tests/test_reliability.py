@@ -262,6 +262,22 @@ def _train_out_dir_is_a_file(tmp, base):
     return _train_data_args(tmp, base, captions, f"train.out_dir={tmp / 'taken'}"), [str(tmp / "taken")]
 
 
+def _six_captions() -> str:
+    return "image,caption\n" + "".join(f"img{i:03d}.png,a thing number {i}\n" for i in range(6))
+
+
+def _train_fewer_than_one_batch(tmp, base):
+    # 6 images, 2 held out for validation: 4 cannot fill a batch of 8 (this used to exit 1).
+    return _train_data_args(tmp, base, _six_captions(), "train.batch_size=8"), \
+        ["4 images", "fewer than one batch of 8", "train.batch_size"]
+
+
+def _train_val_count_too_large(tmp, base):
+    # data.val=300 is a count: it must read "300 images", never "300.0", and say what to change.
+    return _train_data_args(tmp, base, _six_captions(), "data.val=300"), \
+        ["val split of 300 images would take all 6 images", "smaller data.val", "at most 5"]
+
+
 def _train_set_without_equals(tmp, base):
     return ["train", "--set", "train.lr"], ["train.lr", "key.sub=value"]
 
@@ -307,6 +323,8 @@ CORPUS: dict[str, Case] = {
         ["captions file is a directory", str(base["images"])])),
     "train-captions-wrong-columns": Case(_train_wrong_columns),
     "train-out-dir-is-a-file": Case(_train_out_dir_is_a_file),
+    "train-fewer-than-one-batch": Case(_train_fewer_than_one_batch),
+    "train-val-count-too-large": Case(_train_val_count_too_large),
     # configs (through `clip-mini train --config`: refused before any data is read)
     "config-unknown-key": _train_config_case("train:\n  epocs: 3\n", ["unknown config key train.epocs"]),
     "config-wrong-type": _train_config_case("train:\n  epochs: three\n", ["train.epochs", "integer"]),
@@ -376,6 +394,7 @@ def test_bad_input_exits_2_and_names_it(case, base, tmp_path, capsys):
     assert all("Warning: " in line or line.startswith(("usage: ", " ")) for line in lines[:at]), err
     for piece in expect:
         assert piece in err, f"{piece!r} not in stderr:\n{err}"
+    assert ".0 images" not in err, err   # counts print as integers
 
 
 # -- over-long input is truncated, not fatal ---------------------------------------------------------------------

@@ -20,7 +20,8 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
-    """Parse ``argv``, check the config, train; returns the process exit code (0 ok, 2 bad input, 1 failure)."""
+    """Parse ``argv``, check the config, train; returns the process exit code (0 ok, 2 error, 130 interrupted)."""
+    from clip_mini.cli import EXIT_USER_ERROR
     from clip_mini.config import ConfigError, load_config
 
     args = build_parser(prog).parse_args(argv)
@@ -32,31 +33,27 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
         check_train_config(cfg)   # before any data is read or any weight is built
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     return run(cfg, args.resume)
 
 
 def run(cfg, resume: Optional[str]) -> int:
-    from clip_mini.config import ConfigError
-    from clip_mini.data import DataError, ImageError
-    from clip_mini.io import OutputError
-    from clip_mini.model import ModelDirError
-    from clip_mini.text import TokenizerError
-    from clip_mini.train import CheckpointError, TrainError, train
-    from clip_mini.vision import WeightsError
+    from clip_mini.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, is_user_error
+    from clip_mini.train import train
 
     try:
         train(cfg, resume=resume)
-    except (ConfigError, DataError, ImageError, CheckpointError, TokenizerError, WeightsError,
-            ModelDirError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (TrainError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("interrupted; continue with --resume auto", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        # Every error of ours (bad data, a batch larger than the data, a run directory in use, a diverged run)
+        # and every OSError (it names its file) says what to change: exit 2 without a traceback, as clip-mini
+        # does. Anything else is a bug and keeps its traceback.
+        if not (is_user_error(e) or isinstance(e, OSError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
     return 0
 
 
