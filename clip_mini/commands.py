@@ -144,9 +144,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         if args.labels is not None:
             out = evaluate_zero_shot(args.model, args.labels, args.images, args.label_col,
-                                     args.template or DEFAULT_TEMPLATES, args.batch_size, args.workers)
+                                     args.template or DEFAULT_TEMPLATES, args.batch_size or 64, args.workers,
+                                     precision=args.precision)
         else:
-            out = evaluate_retrieval(args.model, args.data, args.split, args.set, args.batch_size, args.workers)
+            out = evaluate_retrieval(args.model, args.data, args.split, args.set, args.batch_size, args.workers,
+                                     precision=args.precision)
     if args.labels is not None:
         keys = [k for k in out if k.startswith("top")]
     else:
@@ -154,7 +156,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print_json(out)
         return 0
-    head = {k: out[k] for k in ("split", "n_images", "n_captions", "n_classes") if k in out}
+    head = {k: out[k] for k in ("split", "precision", "n_images", "n_captions", "n_classes", "n_dropped_images")
+            if k in out}
     print("  ".join(f"{k}={v}" for k, v in head.items()))
     for k in keys:
         v = out[k]

@@ -21,12 +21,15 @@ class EvalError(ValueError):
 
 
 def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
-                      progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Embed image files; returns (features (n_ok, d) float32, indices of the readable files into ``paths``)."""
+                      progress: bool = True, precision: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
+    """Embed image files; returns (features (n_ok, d) float32, indices of the readable files into ``paths``).
+
+    Unreadable files are left out (and printed), never embedded as a placeholder vector.
+    """
     from clip_mini.image_files import iter_image_features
 
     feats, keep = [np.zeros((0, embedder.dim), np.float32)], [np.zeros(0, np.int64)]
-    for idx, f, bad in iter_image_features(embedder, list(paths), batch_size, workers, progress=progress):
+    for idx, f, bad in iter_image_features(embedder, list(paths), batch_size, workers, precision, progress):
         feats.append(f)
         keep.append(idx.astype(np.int64))
         for i, reason in bad.items():
@@ -34,43 +37,80 @@ def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, work
     return np.concatenate(feats), np.concatenate(keep)
 
 
+def trained_settings(model_dir: str | Path) -> dict:
+    """The evaluation settings a trained model directory records (``config.json`` ``trained``): ``precision``
+    and ``eval_batch_size`` where the trainer wrote them, else an empty dict (older or hand-made models)."""
+    from clip_mini.manifest import read_json
+
+    trained = read_json(Path(model_dir) / "config.json").get("trained")
+    if not isinstance(trained, dict):
+        return {}
+    return {k: trained[k] for k in ("precision", "eval_batch_size") if k in trained}
+
+
+def _resolve_precision(precision: Optional[str], model_dir: str | Path) -> str:
+    precision = precision or trained_settings(model_dir).get("precision", "fp32")
+    if precision not in ("fp32", "bf16"):
+        raise EvalError(f"--precision must be fp32 or bf16, got {precision!r}")
+    return precision
+
+
 def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: str = "test",
-                       overrides: Optional[list[str]] = None, batch_size: int = 64, workers: int = 0,
-                       progress: bool = True) -> dict:
+                       overrides: Optional[list[str]] = None, batch_size: Optional[int] = None, workers: int = 0,
+                       progress: bool = True, precision: Optional[str] = None) -> dict:
     """Multi-caption recall@1/5/10 both ways, median rank and contrastive loss of a model on one split.
 
-    The split comes from the trainer's ``load_splits`` and the scores from its ``evaluate_model`` (which calls
-    ``clip_mini.evaluate.retrieval_metrics``), so the numbers are the ones the trainer logs for that split.
+    The split comes from the trainer's ``load_splits``, the pixels from its image cache (when ``data.cache`` is
+    on) and eval transform, and the scores from its ``evaluate_model``, run at the trainer's precision and batch
+    size, so for the run's own model and config the numbers equal the ones in its ``metrics.jsonl``. Unreadable
+    images are left out with their captions (``n_dropped_images``, ``n_dropped_captions``).
+
+    Args:
+        batch_size: images / captions per forward pass and pairs per loss batch (the loss depends on it).
+            None: the ``eval_batch_size`` the model directory records, else the config's
+            ``train.eval_batch_size``.
+        precision: ``"fp32"`` or ``"bf16"`` autocast. None: the precision the model directory records (the
+            run's ``train.precision``), else fp32.
 
     Raises:
-        EvalError: unknown or empty split.
+        EvalError: unknown or empty split, or unknown precision.
     """
     import clip_mini
     from clip_mini.config import load_config
+    from clip_mini.data import make_cache
     from clip_mini.train.evaluation import evaluate_model
     from clip_mini.train.inputs import load_splits
 
     if split not in ("train", "val", "test"):
         raise EvalError(f"--split must be train, val or test, got {split!r}")
+    precision = _resolve_precision(precision, model_dir)
     cfg = load_config(config, overrides)
+    batch_size = batch_size or trained_settings(model_dir).get("eval_batch_size") or cfg.train.eval_batch_size
     df = load_splits(cfg, progress=progress)[split]
     if len(df) == 0:
         raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split, None)}); "
                         f"choose another --split or set data.{split}")
     embedder = clip_mini.load(model_dir, batch_size=batch_size)
     if progress:
-        print(f"eval: {df['image_id'].nunique()} images, {len(df)} captions ({split})", file=sys.stderr)
-    metrics = evaluate_model(embedder.model, df, embedder.transform, batch_size=batch_size, workers=workers)
-    return {"split": split, "n_images": int(df["image_id"].nunique()), "n_captions": len(df), **metrics}
+        print(f"eval: {df['image_id'].nunique()} images, {len(df)} captions ({split}), {precision}, "
+              f"batch {batch_size}", file=sys.stderr)
+    cache = make_cache(cfg.data, embedder.model.preprocess, df["path"].nunique())
+    metrics = evaluate_model(embedder.model, df, embedder.transform, batch_size=batch_size, cache=cache,
+                             workers=workers, precision=precision)
+    return {"split": split, "precision": precision, "batch_size": batch_size, **metrics}
 
 
-def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str]) -> np.ndarray:
+def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str],
+                        precision: str = "fp32") -> np.ndarray:
     """One L2-normalised row per class: the mean of its normalised template embeddings (as in CLIP)."""
+    import torch
+
     for t in templates:
         if "{}" not in t:
             raise EvalError(f"prompt template {t!r} has no {{}} for the class name")
     prompts = [t.format(c) for c in classes for t in templates]
-    feats = encoder.encode_text(prompts).reshape(len(classes), len(templates), -1).mean(1)
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+        feats = encoder.encode_text(prompts).reshape(len(classes), len(templates), -1).mean(1)
     return feats / np.linalg.norm(feats, axis=1, keepdims=True)
 
 
@@ -112,17 +152,24 @@ def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_c
 
 def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Optional[str | Path] = None,
                        label_col: str = "label", templates: Sequence[str] = DEFAULT_TEMPLATES,
-                       batch_size: int = 64, workers: int = 0, progress: bool = True) -> dict:
-    """Top-1/top-5 zero-shot accuracy: each image gets the class whose prompt embedding is nearest."""
+                       batch_size: int = 64, workers: int = 0, progress: bool = True,
+                       precision: Optional[str] = None) -> dict:
+    """Top-1/top-5 zero-shot accuracy: each image gets the class whose prompt embedding is nearest.
+
+    ``precision`` as in ``evaluate_retrieval``. Unreadable images are left out (``n_dropped_images``).
+    """
     import clip_mini
     from clip_mini.evaluate import zero_shot_accuracy
 
+    precision = _resolve_precision(precision, model_dir)
     classes, paths, targets = read_labels(labels, images, label_col)
     if len(classes) < 2:
         raise EvalError(f"{labels}: zero-shot classification needs at least 2 classes, found {classes}")
     embedder = clip_mini.load(model_dir, batch_size=batch_size)
-    class_features = class_text_features(embedder, classes, templates)
-    image_features, ok = embed_image_files(embedder, paths, batch_size, workers, progress)
+    class_features = class_text_features(embedder, classes, templates, precision)
+    image_features, ok = embed_image_files(embedder, paths, batch_size, workers, progress, precision)
+    if len(ok) == 0:
+        raise EvalError(f"none of the {len(paths)} images listed by {labels} could be read (e.g. {paths[0]})")
     acc = zero_shot_accuracy(image_features, class_features, np.asarray(targets)[ok])
-    return {"n_images": int(len(ok)), "n_classes": len(classes), "templates": list(templates), **acc,
-            "labels": os.fspath(labels)}
+    return {"n_images": int(len(ok)), "n_dropped_images": len(paths) - int(len(ok)), "n_classes": len(classes),
+            "templates": list(templates), "precision": precision, **acc, "labels": os.fspath(labels)}

@@ -97,3 +97,14 @@ def test_text_embedding_never_imports_the_image_pipeline(model_dir, images):
     r = subprocess.run([sys.executable, "-c", code, str(model_dir), str(images[0])], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "True"]
+
+
+def test_bf16_autocast_still_gives_float32_unit_rows(model_dir, images):
+    """Rows are normalised in fp32 whatever the caller's autocast (bf16 normalisation left them ~6e-4 off)."""
+    emb = clip_mini.load(model_dir, batch_size=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [emb.encode_text(CAPTIONS), emb.encode_image(images),
+                emb.encode_pixels(torch.randn(3, 3, 32, 32))]
+    for out in outs:
+        assert out.dtype == np.float32
+        assert np.abs(np.linalg.norm(out.astype(np.float64), axis=1) - 1).max() < 1e-6

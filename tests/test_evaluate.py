@@ -173,3 +173,52 @@ def test_precomputed_tower_features_drop_unreadable_images_too(split_with_bad_im
     assert _scores(got) == _scores(ref) and got["n_dropped_images"] == 1 and got["n_images"] == 5
     with pytest.raises(Exception, match="none of the 6 evaluation images could be read"):
         evaluate_model(model, df, transform, batch_size=4, tower_features=(tower, torch.zeros(6, dtype=torch.bool)))
+
+
+# -- clip-mini eval reproduces the trainer's numbers --------------------------------------------------------
+@pytest.fixture(scope="module")
+def eval_shapes(tmp_path_factory):
+    from clip_mini.data import generate
+
+    return generate(tmp_path_factory.mktemp("data") / "shapes", n=160, seed=1, size=32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("locked", [False, True], ids=["pixels", "frozen-features"])
+def test_eval_of_best_reproduces_the_trainers_row(eval_shapes, tmp_path, locked, capsys):
+    """bf16 run; eval of ``best/`` on val from the run's config equals the metrics.jsonl row it was selected by.
+
+    With a locked tower the trainer scores precomputed bf16 tower outputs, eval runs the tower on pixels: the
+    same numbers either way.
+    """
+    import json
+
+    from clip_mini.cli import main
+    from clip_mini.config import load_config
+    from clip_mini.train import train
+
+    from test_train_loop import TINY
+
+    run = tmp_path / "run"
+    locked_opts = ["model.vision.trainable=false", "train.frozen_features=1"] if locked else []
+    cfg = load_config(None, TINY + locked_opts + [
+        f"data.captions={eval_shapes / 'captions.csv'}", f"data.cache_dir={eval_shapes.parent / 'cache'}",
+        f"train.out_dir={run}", "train.precision=bf16", "train.epochs=3", "train.eval_batch_size=24"])
+    train(cfg)
+    trained = json.loads((run / "best" / "config.json").read_text())["trained"]
+    assert (trained["precision"], trained["eval_batch_size"]) == ("bf16", 24)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["kind"] == "epoch" and r["epoch"] == trained["epoch"])
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run / "best"), "--data", str(run / "config.yaml"), "--split", "val",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    keys = [f"{d}_{m}" for d in ("t2i", "i2t") for m in ("r1", "r5", "r10", "medr")] + ["rsum", "loss"]
+    assert got["precision"] == "bf16" and got["n_images"] == row["val_n_images"] == 40
+    for k in keys:
+        assert got[k] == pytest.approx(row[f"val_{k}"], abs=1e-6), k
+    # fp32 is another model's numbers: the flag is honoured (and the loss moves)
+    assert main(["eval", "--model", str(run / "best"), "--data", str(run / "config.yaml"), "--split", "val",
+                 "--precision", "fp32", "--json"]) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert fp32["precision"] == "fp32" and fp32["loss"] != pytest.approx(row["val_loss"], abs=1e-6)

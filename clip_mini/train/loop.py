@@ -188,7 +188,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
                             frozen_feats)
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]
-                model.save_pretrained(run / "best", extra={"trained": _provenance(state["step"], epoch + 1, val)})
+                model.save_pretrained(run / "best", extra={"trained": _provenance(state["step"], epoch + 1, val, t)})
         barrier()
         set_train_mode(model, True)
         state.update(epoch=epoch + 1, pos=0, epoch_loss=[0.0, 0])
@@ -199,7 +199,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         if saved_at[0] != state["step"]:
             save_state()
     elif main:
-        trained = _provenance(state["step"], state["epoch"], _last_val(log))
+        trained = _provenance(state["step"], state["epoch"], _last_val(log), t)
         model.save_pretrained(run / "final", extra={"trained": trained})
         print(summary_table(log.rows, t.best_metric))
         print(f"best {t.best_metric} = {state['best']}; model directories: {run / 'best'}, {run / 'final'} "
@@ -285,5 +285,8 @@ def _last_val(log: MetricsLog) -> dict:
     return {k[4:]: v for k, v in epochs[-1].items() if k.startswith("val_")} if epochs else {}
 
 
-def _provenance(step: int, epoch: int, val: dict) -> dict:
-    return {"step": step, "epoch": epoch, "val": val}
+def _provenance(step: int, epoch: int, val: dict, t) -> dict:
+    """What ``config.json`` records under ``trained``; ``clip-mini eval`` reuses the evaluation settings (the
+    precision, and the batch size that groups the validation loss) so it reproduces ``val``."""
+    return {"step": step, "epoch": epoch, "val": val, "precision": t.precision,
+            "eval_batch_size": t.eval_batch_size}
