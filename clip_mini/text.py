@@ -7,8 +7,9 @@ BERT without token-type embeddings and pooler, so the weights map one-to-one onc
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -80,16 +81,64 @@ def train_tokenizer(captions: Iterable[str], vocab_size: int = 4000):
 
 
 def load_tokenizer(path: str | Path):
-    """Load a tokenizer saved with ``save_pretrained`` (``tokenizer.json``; nothing is unpickled)."""
+    """Load a tokenizer saved with ``save_pretrained`` (``tokenizer.json``; nothing is unpickled).
+
+    Padding is always on the right: the text tower pools [CLS] at position 0 and keeps position embeddings
+    counted from the first token, so a directory that asks for left padding gets right padding (with a warning).
+    """
     from transformers import DistilBertTokenizerFast
 
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "vocab.txt").is_file():
         raise TokenizerError(f"no tokenizer in {path} (expected tokenizer.json or vocab.txt)")
     try:
-        return DistilBertTokenizerFast.from_pretrained(str(path))
+        tokenizer = DistilBertTokenizerFast.from_pretrained(str(path))
     except Exception as e:
         raise TokenizerError(f"cannot load tokenizer from {path}: {e}") from None
+    if tokenizer.padding_side != "right":
+        warnings.warn(f"tokenizer in {path} pads on the {tokenizer.padding_side}; clip_mini pads on the right "
+                      "([CLS] must stay at position 0), so right padding is used", RuntimeWarning, stacklevel=2)
+        tokenizer.padding_side = "right"
+    return tokenizer
+
+
+_TRUNCATION_CHUNK = 8192   # captions tokenized at once when counting (bounds memory on large caption files)
+_reported: set[str] = set()
+
+
+def count_truncated(tokenizer, captions: Sequence[str], max_length: int) -> tuple[int, int]:
+    """How many captions are longer than ``max_length`` tokens ([CLS] and [SEP] included), and the longest length.
+
+    Those are the captions that tokenizing with ``truncation=True, max_length=max_length`` cuts short.
+    """
+    n, longest = 0, 0
+    for s in range(0, len(captions), _TRUNCATION_CHUNK):
+        lengths = tokenizer([str(c) for c in captions[s:s + _TRUNCATION_CHUNK]], truncation=False,
+                            return_length=True, return_attention_mask=False, verbose=False)["length"]
+        n += sum(length > max_length for length in lengths)
+        longest = max([longest, *lengths])
+    return n, longest
+
+
+def report_truncation(tokenizer, captions: Sequence[str], max_length: int, what: str) -> int:
+    """Count the captions ``max_length`` cuts short and, if any, print one line saying so (once per process).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        captions: the captions about to be tokenized.
+        max_length: ``model.text.max_length``.
+        what: which captions, for the message ("train", "val split", ...).
+
+    Returns:
+        The number of truncated captions.
+    """
+    n, longest = count_truncated(tokenizer, captions, max_length)
+    line = (f"text: {n} of {len(captions)} {what} captions are longer than model.text.max_length={max_length} "
+            f"tokens and are truncated (longest: {longest} tokens)")
+    if n and line not in _reported:   # evaluation runs every epoch: one line, not one per epoch
+        _reported.add(line)
+        print(line)
+    return n
 
 
 def build_tokenizer(cfg: TextConfig, captions: Iterable[str] | None = None):
