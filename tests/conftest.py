@@ -2,7 +2,9 @@
 
 The trained model is made by a short direct loop (pixels decoded once, no augmentation, the real
 ``CLIPModel`` and ``clip_loss``): about 25 s on one core. The trainer's own end-to-end behaviour is tested in its
-own test files; these fixtures only need a model that has learnt colours and shapes, quickly.
+own test files; these fixtures only need a model that has learnt colours and shapes, quickly. It trains on the
+train split of ``SHAPES_SPLIT`` only, so the val and test images (``heldout_images``) and the generator's
+compositional split are images it never saw: tests that score those measure generalisation, not memorisation.
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import numpy as np
 import pytest
 
 FLICKR8K = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k"
+# The split of the shapes data the trained fixture is trained on (train) and scored on (val, test): the same
+# numbers in a config's data section (`val: 0.1`, `test: 0.1`, default seed) give the same split to `clip-mini eval`.
+SHAPES_SPLIT = dict(val=0.1, test=0.1, seed=0)
 
 TINY = dict(vision=dict(image_size=32, patch_size=8, width=64, depth=2, heads=2),
             text=dict(dim=64, n_layers=1, n_heads=2, hidden_dim=128, dropout=0.0, max_length=16, vocab_size=300),
@@ -71,15 +76,38 @@ def other_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trained_model_dir(shapes_dir, tmp_path_factory) -> Path:
-    """Tiny model trained for 1000 steps of 64 pairs on the shapes data (one thread: see below)."""
+def shapes_splits(shapes_dir) -> dict:
+    """``{"train", "val", "test"}`` caption tables of the shapes data, split as ``clip-mini eval`` splits them."""
+    from clip_mini.config import DataConfig
+    from clip_mini.data import load_table, split_by_image
+
+    df = load_table(DataConfig(captions=str(shapes_dir / "captions.csv"), cache=False), progress=False)
+    return split_by_image(df, **SHAPES_SPLIT)
+
+
+@pytest.fixture(scope="session")
+def heldout_images(shapes_splits, tmp_path_factory) -> Path:
+    """A folder with copies of the val and test images of the shapes data: none was in the fixture's training."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("heldout") / "images"
+    folder.mkdir()
+    for split in ("val", "test"):
+        for p in shapes_splits[split]["path"].unique():
+            shutil.copy2(p, folder / Path(p).name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def trained_model_dir(shapes_splits, tmp_path_factory) -> Path:
+    """Tiny model trained for 1000 steps of 64 pairs on the train split of the shapes data (one thread: see below)."""
     import torch
 
-    from clip_mini.data import build_eval_transform, load_image, read_captions
+    from clip_mini.data import build_eval_transform, load_image
     from clip_mini.loss import clip_loss
     from clip_mini.model import CLIPModel
 
-    df, _ = read_captions(shapes_dir / "captions.csv")
+    df = shapes_splits["train"]
     torch.manual_seed(0)
     model = CLIPModel.build(tiny_model_config(), captions=df["caption"].tolist())
     transform = build_eval_transform(model.preprocess)
