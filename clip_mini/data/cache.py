@@ -9,9 +9,11 @@ Layout (one folder per target size and resize mode, e.g. ``~/.cache/clip_mini/im
   share the cache. The pixels are written before their index line, and every read checks the CRC, so a
   crash or a torn write costs a re-decode, never wrong pixels.
 
-The record is the first step of the eval transform (``transforms.resize_op``): a square ``size`` image for
-"squash", shorter side ``size`` for "center_crop" (the crop is left to the transform, so training crops still
-see the whole picture). Old records of changed files are not reclaimed; delete the folder to reset it.
+A record is the first step of a transform (``transforms.resize_op`` at the transform's ``base`` geometry): a square
+``size`` image for "squash", shorter side ``size`` for "center_crop" (the crop is left to the transform, so
+training crops still see the whole picture). The eval transform and the training transform start at different
+sizes (``transforms.train_base_size``: training crops need more pixels), so a run uses two folders; ``get`` picks
+the one matching the transform. Old records of changed files are not reclaimed; delete the folder to reset it.
 
 Default location: ``$CLIP_MINI_CACHE_DIR``, else ``$XDG_CACHE_HOME/clip_mini``, else ``~/.cache/clip_mini``.
 A user cache rather than the data folder, because datasets are often read-only or shared; keys hold absolute
@@ -32,7 +34,7 @@ import numpy as np
 
 from clip_mini.config import DataConfig, PreprocessConfig
 from clip_mini.data.images import DEFAULT_MAX_PIXELS, ImageError, load_image
-from clip_mini.data.transforms import resize_op
+from clip_mini.data.transforms import resize_op, train_base_size
 
 VERSION = 1
 _FREE_MARGIN = 1 << 30   # leave at least 1 GiB free on the cache disk
@@ -62,7 +64,7 @@ class ImageCache:
 
     Args:
         cache_dir: root folder (None: ``default_cache_dir()``); a subfolder per size and mode is used.
-        size: target size (the model's image size).
+        size: default target size (the model's image size).
         mode: "squash" or "center_crop", as in ``PreprocessConfig.resize_mode``.
         max_pixels: decompression-bomb limit passed to ``load_image``.
     """
@@ -71,7 +73,8 @@ class ImageCache:
                  max_pixels: int = DEFAULT_MAX_PIXELS):
         resize_op(size, mode)   # validate mode early
         self.size, self.mode, self.max_pixels = size, mode, max_pixels
-        self.dir = Path(cache_dir or default_cache_dir()) / f"images-{mode}-{size}-v{VERSION}"
+        self.root = Path(cache_dir or default_cache_dir())
+        self.dir = self.root / f"images-{mode}-{size}-v{VERSION}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = 0
         self.writable = True
@@ -79,13 +82,21 @@ class ImageCache:
         self._index_pos = 0
         self._pid: Optional[int] = None
         self._fds: dict[str, int] = {}
+        self._siblings: dict[tuple[int, str], ImageCache] = {}
 
-    def get(self, path: str | os.PathLike) -> np.ndarray:
+    def get(self, path: str | os.PathLike, base: Optional[tuple[int, str]] = None) -> np.ndarray:
         """Pixels of ``path`` resized for this cache: (h, w, 3) uint8, identical on every call for one file.
+
+        Args:
+            path: image file.
+            base: (size, mode) geometry wanted, as a transform's ``base``; None: this cache's own. Another
+                geometry is served by a sibling cache in its own folder under the same root.
 
         Raises:
             ImageError: the file is missing or cannot be decoded.
         """
+        if base is not None and tuple(base) != (self.size, self.mode):
+            return self.sibling(*base).get(path)
         path = os.path.abspath(os.fspath(path))
         try:
             st = os.stat(path)
@@ -107,6 +118,12 @@ class ImageCache:
         self.misses += 1
         self._append(key, arr)
         return arr
+
+    def sibling(self, size: int, mode: str) -> "ImageCache":
+        """The cache of another geometry under the same root (made on first use)."""
+        if (size, mode) not in self._siblings:
+            self._siblings[(size, mode)] = ImageCache(self.root, size, mode, self.max_pixels)
+        return self._siblings[(size, mode)]
 
     def __len__(self) -> int:
         if self._open():
@@ -179,6 +196,8 @@ class ImageCache:
         if self._pid == os.getpid():
             self._close_fds()
         self._fds, self._pid = {}, None
+        for sibling in self._siblings.values():
+            sibling.close()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -212,11 +231,17 @@ class _Locked:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
+def cache_geometry(cfg: DataConfig, pre: PreprocessConfig) -> dict[str, tuple[int, str]]:
+    """(size, resize mode) of the records for the eval transform and for the training transform."""
+    return {"eval": (pre.image_size, pre.resize_mode),
+            "train": (train_base_size(pre.image_size, cfg.scale_min), pre.resize_mode)}
+
+
 def make_cache(cfg: DataConfig, pre: PreprocessConfig, n_images: int) -> Optional[ImageCache]:
     """The cache if ``cfg.cache`` is on and it fits on disk (with 1 GiB to spare), else None with a reason.
 
     Args:
-        cfg: ``cache`` (on/off) and ``cache_dir`` (None: default location).
+        cfg: ``cache`` (on/off), ``cache_dir`` (None: default location), ``scale_min`` (training geometry).
         pre: the model's image size and resize mode, which the records are made for.
         n_images: number of distinct images that will be read.
     """
@@ -224,8 +249,10 @@ def make_cache(cfg: DataConfig, pre: PreprocessConfig, n_images: int) -> Optiona
         return None
     size, mode = pre.image_size, pre.resize_mode
     root = Path(cfg.cache_dir or default_cache_dir())
-    # center_crop keeps the aspect ratio, so records are larger; 1.5x covers 4:3 and 3:2 photos.
-    need = int(n_images * size * size * 3 * (1.0 if mode == "squash" else 1.5))
+    # Every image gets an eval and a training record; center_crop keeps the aspect ratio, so records are larger
+    # (1.5x covers 4:3 and 3:2 photos).
+    sides = [s for s, _ in cache_geometry(cfg, pre).values()]
+    need = int(n_images * sum(s * s for s in sides) * 3 * (1.0 if mode == "squash" else 1.5))
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

@@ -61,14 +61,18 @@ def load_table(cfg: DataConfig, report_dir: Optional[str | Path] = None, progres
 
 
 class _ImageSource:
-    """Shared read path: the cache when there is one, else a full decode."""
+    """Shared read path: the cache record of the transform's ``base`` geometry when there is a cache, else a full
+    decode (the transform's first step then makes the same record itself)."""
 
     def __init__(self, transform: Transform, cache: Optional[ImageCache]):
+        if cache is not None and getattr(transform, "base", None) is None:
+            raise TypeError(f"{type(transform).__name__} has no `base` (size, resize mode): an image cache cannot "
+                            "know which record it needs; use build_eval_transform / build_train_transform")
         self.transform, self.cache = transform, cache
         self.bad_files: set[str] = set()   # per process; each file is warned about once
 
     def _pixels(self, path: str) -> torch.Tensor:
-        img = self.cache.get(path) if self.cache is not None else load_image(path)
+        img = self.cache.get(path, self.transform.base) if self.cache is not None else load_image(path)
         return self.transform(img)
 
     def _warn(self, path: str, err: Exception) -> None:
@@ -84,7 +88,7 @@ class CaptionDataset(_ImageSource, Dataset):
     Args:
         df: table with ``path``, ``caption``, ``image_id`` (from ``load_table`` / ``split_by_image``).
         transform: array -> (3, S, S) float tensor (``build_train_transform`` / ``build_eval_transform``).
-        cache: optional ``ImageCache`` made for the transform's size and resize mode.
+        cache: optional ``ImageCache``; the transform's ``base`` picks the record geometry.
 
     ``__getitem__(i)`` returns ``(pixels, caption, image_id)``. If row ``i``'s image fails to decode, the next
     row with a readable image (wrapping around) is returned instead: deterministic, and the substitute is a

@@ -118,6 +118,10 @@ def build_model(cfg: Config, tokenizer_dir: Path, load_pretrained: bool = True):
     tokenizer = load_tokenizer(tokenizer_dir)
     model = CLIPModel(cfg.model, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                       tokenizer=tokenizer)
+    # data.resize_mode is part of the model's preprocessing: the train and eval transforms, the image cache and
+    # the saved preprocess.json all read model.preprocess
+    model.preprocess = model.visual.preprocess = dataclasses.replace(model.preprocess,
+                                                                     resize_mode=cfg.data.resize_mode)
     if load_pretrained and cfg.model.vision.pretrained:
         model.visual.load_pretrained(cfg.model.vision.pretrained)
     if load_pretrained and cfg.model.text.pretrained:

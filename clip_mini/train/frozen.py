@@ -9,7 +9,8 @@ Validation images get the eval view once, too.
 
 Each view is stored in the run directory (``frozen_features/{split}-view{v}.safetensors``, written atomically)
 with a key over everything it depends on (the image files' paths, sizes and mtimes, the tower config and weights,
-the precision, and for augmented views the augmentation settings and the seed), so a resumed run reuses them, a
+the precision, the preprocessing and image cache geometry, and for augmented views the augmentation settings and
+the seed), so a resumed run reuses them, a
 run with more views computes only the new ones, and a changed input recomputes them.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from clip_mini.config import Config
+from clip_mini.config import Config, PreprocessConfig
 from clip_mini.train.accum import autocast
 
 FORMAT = 1
@@ -37,9 +38,13 @@ def split_paths(df: pd.DataFrame) -> list[str]:
     return df.drop_duplicates("image_id").sort_values("image_id")["path"].astype(str).tolist()
 
 
-def inputs_digest(cfg: Config, paths: list[str], tower_state: dict[str, torch.Tensor]) -> str:
+def inputs_digest(cfg: Config, paths: list[str], tower_state: dict[str, torch.Tensor],
+                  pre: PreprocessConfig) -> str:
     """Hash of what every view depends on: the image files (path, size, mtime), the tower config and weights,
-    the precision. Computed once per split; ``features_key`` adds what differs between views."""
+    the precision, the preprocessing (``pre``: size, mean, std, resize mode), ``data.cache`` and the cache record
+    geometry. Computed once per split; ``features_key`` adds what differs between views."""
+    from clip_mini.data.cache import cache_geometry
+
     h = hashlib.sha256()
     files = []
     for p in paths:
@@ -48,8 +53,12 @@ def inputs_digest(cfg: Config, paths: list[str], tower_state: dict[str, torch.Te
             files.append((p, st.st_size, st.st_mtime_ns))
         except OSError:
             files.append((p, -1, -1))   # unreadable now: its row is zeros, recomputed if it comes back
+    # The cache on or off gives the same pixels by construction (transforms.py); it is keyed anyway, so that a
+    # future change to either read path can never be masked by stale features.
+    pixels = {"preprocess": dataclasses.asdict(pre), "cache": cfg.data.cache,
+              "cache_geometry": cache_geometry(cfg.data, pre)}
     h.update(json.dumps({"format": FORMAT, "files": files, "vision": dataclasses.asdict(cfg.model.vision),
-                         "precision": cfg.train.precision}, sort_keys=True, default=str).encode())
+                         "precision": cfg.train.precision, **pixels}, sort_keys=True, default=str).encode())
     for name in sorted(tower_state):   # the weights themselves: a different checkpoint, different features
         h.update(name.encode())
         h.update(tower_state[name].detach().float().cpu().numpy().tobytes())
@@ -131,7 +140,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
     from clip_mini.io import atomic_path
 
     paths = split_paths(df)
-    digest = inputs_digest(cfg, paths, model.visual.state_dict())
+    digest = inputs_digest(cfg, paths, model.visual.state_dict(), model.preprocess)
     dataset, features, ok_all = None, [], torch.ones(len(paths), dtype=torch.bool)
     for view in range(views):
         key = features_key(digest, cfg, view)

@@ -46,6 +46,7 @@ class SeededAugment:
 
     def __init__(self, transform):
         self.compose = transform.compose   # albumentations Compose inside clip_mini.data's ImageTransform
+        self.base = transform.base         # the image cache record geometry the transform starts from
         self.key: tuple[int, ...] = (0,)
 
     def __call__(self, image: np.ndarray) -> torch.Tensor:
