@@ -31,9 +31,10 @@ def _png_size(path) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def shapes_index(trained_model_dir, shapes_dir, tmp_path_factory) -> Path:
+def shapes_index(trained_model_dir, heldout_images, tmp_path_factory) -> Path:
+    # Only images the trained fixture never saw: search quality here is generalisation, not memorisation.
     out = tmp_path_factory.mktemp("indexes") / "shapes"
-    assert main(["index", "--model", str(trained_model_dir), "--images", str(shapes_dir / "images"),
+    assert main(["index", "--model", str(trained_model_dir), "--images", str(heldout_images),
                  "--out", str(out), "--quiet"]) == 0
     return out
 
@@ -63,8 +64,9 @@ def test_search_puts_red_circles_on_top(shapes_index, shapes_dir, capsys):
     results = _search(shapes_index, "a large red circle in the center", 10, capsys)
     hits = [("red", "circle") in labels[Path(r["path"]).name] for r in results]
     # About 4% of the images hold a red circle. Circles and squares of one colour are the pair a 25-second
-    # model still confuses at 32 px, so the bar is the top hit plus 4 of 10, ten times chance.
-    assert hits[0] and sum(hits) >= 4, hits
+    # model still confuses at 32 px (on these held-out images its top hit can be a red square), so the bar is
+    # a hit in the top 2 plus 4 of 10, ten times chance.
+    assert any(hits[:2]) and sum(hits) >= 4, hits
     assert [r["rank"] for r in results] == list(range(1, 11))
     assert [r["score"] for r in results] == sorted((r["score"] for r in results), reverse=True)
     # Over every colour and shape seen in training, precision@10 averages well above chance (~0.04).
@@ -78,13 +80,13 @@ def test_search_puts_red_circles_on_top(shapes_index, shapes_dir, capsys):
 
 
 @pytest.mark.slow
-def test_search_table_grid_and_image_query(shapes_index, shapes_dir, tmp_path, capsys):
+def test_search_table_grid_and_image_query(shapes_index, heldout_images, tmp_path, capsys):
     grid = tmp_path / "hits.png"
     assert main(["search", "--index", str(shapes_index), "a yellow triangle", "-k", "7", "--grid", str(grid)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["rank", "score", "path"] and len(lines) == 1 + 7 + 1
     assert _png_size(grid) == grid_size(7)
-    query = str(shapes_dir / "images" / "train_00010.png")
+    query = str(sorted(heldout_images.iterdir())[10])
     assert main(["search", "--index", str(shapes_index), "--image", query, "-k", "3", "--json"]) == 0
     best = json.loads(capsys.readouterr().out)["results"][0]
     assert best["path"] == query and best["score"] == pytest.approx(1.0, abs=2e-3)
