@@ -132,4 +132,9 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
     metrics.update(retrieval_metrics(image_features.cpu(), text_features.cpu(), torch.from_numpy(ids.copy())))
     metrics.update(n_images=len(image_features), n_captions=len(kept), n_dropped_images=len(dropped),
                    n_dropped_captions=len(df) - len(kept))
+    # captions cut short by model.text.max_length: a count in every result, one line per process
+    from clip_mini.text import report_truncation
+
+    metrics["truncated_captions"] = report_truncation(model.tokenizer, kept["caption"].astype(str).tolist(),
+                                                      model.cfg.text.max_length, "evaluation")
     return metrics

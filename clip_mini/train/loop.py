@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from clip_mini.config import Config, save_config
 from clip_mini.loss import ClipLoss
+from clip_mini.text import report_truncation
 from clip_mini.train import checkpoint as ckpt_io
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
@@ -39,7 +40,8 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
         stop_after: checkpoint and return once this many steps are done (a pause; resume continues exactly).
 
     Returns:
-        ``{"run_dir", "step", "epoch", "best_metric", "best_value", "val", "stopped", "time_s"}``.
+        ``{"run_dir", "step", "epoch", "best_metric", "best_value", "val", "stopped", "time_s",
+        "truncated_captions"}`` (train captions cut by model.text.max_length).
     """
     check_train_config(cfg)
     owns_group = not torch.distributed.is_initialized()
@@ -90,6 +92,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         features = torch.nn.parallel.DistributedDataParallel(
             features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     loss_fn = ClipLoss()
+    truncated = report_truncation(model.tokenizer, splits["train"]["caption"].astype(str).tolist(),
+                                  model.cfg.text.max_length, "train")   # one line if any caption is cut
     cache = make_image_cache(cfg, model.preprocess, splits)
     frozen_feats = None   # a locked image tower's outputs, computed once (train.frozen_features)
     if t.frozen_features:
@@ -206,7 +210,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
               f"({time.time() - t0:.0f} s)")
     barrier()
     return {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
-            "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0}
+            "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
+            "truncated_captions": truncated}
 
 
 # -- helpers --------------------------------------------------------------------------------------------------
