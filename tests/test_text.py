@@ -39,9 +39,15 @@ def test_cls_state_ignores_padding():
     a = enc(short["input_ids"], short["attention_mask"])
     b = enc(padded["input_ids"], padded["attention_mask"])[:1]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    # position 0 really is the output: changing a later token changes it, changing nothing doesn't
+    # position 0 really is the output: it is the final state there, a later token changes it, and the same
+    # tokens again give the same output
     hidden = enc.bert(**short).last_hidden_state
     torch.testing.assert_close(a, hidden[:, 0])
+    torch.testing.assert_close(enc(short["input_ids"], short["attention_mask"]), a, atol=0, rtol=0)
+    other = short["input_ids"].clone()
+    other[0, 2] = tok.convert_tokens_to_ids("girl")   # "a dog" -> "a girl"
+    assert short["input_ids"][0, 2] == tok.convert_tokens_to_ids("dog") != other[0, 2] != tok.unk_token_id
+    assert (enc(other, short["attention_mask"]) - a).abs().max() > 1e-3
 
 
 def test_frozen_text_tower_has_no_trainable_params():
