@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from repo_paths import relative_to_repo  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 
 def _rate(fn, items) -> tuple[float, float]:
@@ -39,7 +40,7 @@ def bench_folder(captions: Path, size: int, mode: str, limit: int | None, repeat
     df = load_table(DataConfig(captions=str(captions)), progress=False)
     paths = list(df["path"].unique())[:limit]
     transform = build_eval_transform(PreprocessConfig(image_size=size, resize_mode=mode))
-    out = {"images": len(paths), "captions_file": str(captions)}
+    out = {"images": len(paths), "captions_file": relative_to_repo(captions)}
     for p in paths:   # warm the OS page cache so every variant reads files from memory
         Path(p).read_bytes()
     # Best of `repeats`, variants interleaved: the machine may be shared, and the best run of each variant is

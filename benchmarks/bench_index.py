@@ -28,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from repo_paths import relative_to_repo  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
+
 FLICKR = ROOT.parent / "shared/data/flickr8k/images"
 
 
@@ -152,8 +154,11 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:
         model_dir = Path(tmp) / "model"
         make_model(model_dir)
-        folder = args.images if Path(args.images).is_dir() else _generated_jpegs(Path(tmp) / "jpegs", args.limit)
-        result = {"images_folder": str(folder), "loadavg_start": os.getloadavg()[0],
+        if Path(args.images).is_dir():
+            folder, recorded = args.images, relative_to_repo(args.images)
+        else:
+            folder, recorded = _generated_jpegs(Path(tmp) / "jpegs", args.limit), "generated 160 px JPEGs"
+        result = {"images_folder": recorded, "loadavg_start": os.getloadavg()[0],
                   "forward": _child("forward", model_dir)}
         for workers in (0, 1):
             result[f"index_workers{workers}"] = _child("index", model_dir, folder, args.limit, workers,
