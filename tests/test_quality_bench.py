@@ -1,0 +1,125 @@
+"""The Flickr8k quality benchmark: variant parsing, schedule fitting, and end-to-end runs on generated shapes.
+
+The end-to-end runs use a tiny generated caption dataset (not Flickr8k) and tiny models, with budgets of well
+under a minute; they check the report's structure and the budget, not quality.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import openclip_peer  # noqa: E402
+import quality_flickr8k as qf  # noqa: E402
+
+TOLERANCE_S = 10   # process exits and the final JSON write, after the last clock the benchmark reads
+TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
+        "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
+        "model.text.hidden_dim=128", "model.text.vocab_size=300", "model.text.max_length=16", "model.embed_dim=32",
+        "train.batch_size=32", "train.log_every=2", "train.warmup_steps=6", "train.threads=1",
+        "train.eval_batch_size=64", "data.workers=0", "data.val=30", "data.test=30"]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    from clip_mini.data.synthetic import generate
+
+    return generate(tmp_path_factory.mktemp("quality") / "shapes", n=200, size=32) / "captions.csv"
+
+
+def test_variants_builtin_config_file_and_errors(tmp_path):
+    cfg = tmp_path / "vit.yaml"
+    cfg.write_text("train:\n  epochs: 2\n")
+    vs = qf.parse_variants(f"a, d,openclip,vit={cfg}")
+    assert [v.name for v in vs] == ["a", "d", "openclip", "vit"]
+    assert vs[2].is_peer and not vs[3].is_peer and vs[3].config == cfg and vs[3].overrides == []
+    assert vs[0].overrides == qf.BUILTIN["a"] and vs[1].config == qf.REFERENCE
+    with pytest.raises(SystemExit, match="unknown variant 'e'"):
+        qf.parse_variants("a,e")
+    with pytest.raises(SystemExit, match="not found"):
+        qf.parse_variants(f"x={tmp_path / 'missing.yaml'}")
+    with pytest.raises(SystemExit, match="twice"):
+        qf.parse_variants("a,a")
+
+
+def test_every_variant_gets_the_reference_split():
+    assert qf.split_overrides() == ["data.val=500.0", "data.test=1000.0", "data.seed=0", "data.val_list=null",
+                                    "data.test_list=null"]
+
+
+def test_fit_epochs_fits_the_time_left():
+    # 10 steps/epoch of 1 s, 5 s per evaluation, 6 steps done: 6 epochs take 54 s of steps + 30 s of evaluations
+    assert qf.fit_epochs(100, 1.0, 5.0, 10, 6) == 6
+    for left in (20, 50, 100, 400):
+        e = qf.fit_epochs(left, 1.0, 5.0, 10, 6)
+        assert (e * 10 - 6) * 1.0 + e * 5.0 <= left or e == 1
+    assert qf.fit_epochs(-30, 1.0, 5.0, 10, 6) == 1   # nothing fits: finish the epoch under way
+    assert qf.fit_epochs(-30, 1.0, 5.0, 10, 25) == 3
+
+
+def test_peer_fit_steps():
+    # 10 steps/epoch of 1 s, 5 s per evaluation, 8 steps done: 7 epochs = 62 s of steps + 35 s of evaluations
+    assert openclip_peer.fit_steps(100, 1.0, 5.0, 10, 8) == 70
+    assert openclip_peer.fit_steps(50, 1.0, 5.0, 100, 8) == 8 + 43       # no epoch fits: the steps before one eval
+    assert openclip_peer.fit_steps(-5, 1.0, 5.0, 10, 8) == 8             # over budget already: stop now
+
+
+def test_limit_images_writes_a_subset_and_scales_the_split(shapes, tmp_path):
+    sets = qf.limit_captions(shapes, 50, tmp_path, qf.split_overrides())
+    got = dict(s.split("=", 1) for s in sets)
+    lines = Path(got["data.captions"]).read_text().splitlines()
+    assert lines[0] == "image,caption" and len({ln.split(",")[0] for ln in lines[1:]}) == 50
+    assert (Path(got["data.image_root"]) / lines[1].split(",")[0]).is_file()
+    assert got["data.val"] == str(round(500 * 50 / 200)) and got["data.test"] == str(round(1000 * 50 / 200))
+
+
+def _bench(shapes: Path, tmp_path: Path, variants: str, minutes: float) -> tuple[dict, subprocess.CompletedProcess]:
+    result = tmp_path / "quality.json"
+    cmd = [sys.executable, "benchmarks/quality_flickr8k.py", "--variants", variants, "--budget-min", str(minutes),
+           "--captions", str(shapes), "--out", str(tmp_path / "runs"), "--result", str(result)]
+    cmd += [a for s in TINY + [f"data.cache_dir={tmp_path / 'cache'}"] for a in ("--set", s)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          timeout=minutes * 60 * 2 + 60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(result.read_text()), proc
+
+
+def _has_numbers(scores: dict) -> bool:
+    return all(isinstance(scores[k], float) and 0 <= scores[k] <= 1 for k in ("t2i_r1", "t2i_r5", "i2t_r10"))
+
+
+@pytest.mark.slow
+def test_trainer_variant_reports_test_for_best_and_final_within_budget(shapes, tmp_path):
+    report, proc = _bench(shapes, tmp_path, "a", 1.0)
+    assert report["reported_split"] == "test" and "TEST split" in proc.stdout
+    (r,) = report["results"]
+    assert "error" not in r, r
+    assert r["wall_s"] <= r["budget_s"] + TOLERANCE_S
+    assert r["timed_steps"] == 6 and r["step_s"] > 0 and r["test_score_s"] > 0
+    for which in ("best", "final"):
+        assert _has_numbers(r[which]["test"]) and r[which]["test_images"] == 30, which
+    assert _has_numbers(r["best"]["val"])
+    # final/ has the trainer's val numbers; a run stopped at the reserve scores its newest checkpoint instead
+    assert _has_numbers(r["final"]["val"]) or r["final"]["from_checkpoint"]
+    assert r["final"]["step"] >= r["best"]["step"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("open_clip") is None, reason="open_clip_torch (extra bench) missing")
+def test_openclip_peer_reports_val_and_test_within_budget(shapes, tmp_path):
+    report, _ = _bench(shapes, tmp_path, "openclip", 0.5)
+    (r,) = report["results"]
+    assert "error" not in r and "skipped" not in r, r
+    assert r["wall_s"] <= r["budget_s"] + TOLERANCE_S
+    assert r["model"]["patch_size"] == 4 and r["split_images"] == {"train": 140, "val": 30, "test": 30}
+    for which in ("best", "final"):
+        assert _has_numbers(r[which]["val"]) and _has_numbers(r[which]["test"]), which
+    assert r["steps_done"] >= openclip_peer.TIMED_STEPS and r["epochs_done"] >= 1
