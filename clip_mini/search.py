@@ -17,9 +17,9 @@ from typing import Literal
 import numpy as np
 
 FaissKind = Literal["hnsw", "ivf"]
-# Above this many rows `auto` prefers a stored faiss index. Measured (benchmarks/bench_search.py, 2 cores): exact
-# search over 1M x 128 takes ~0.3 s for one query (float16 -> float32 conversion dominates; reading the matrix
-# once takes 16 ms) and ~0.8 s for 64; faiss IVF answers in 0.2 ms / 36 ms at recall@10 1.0 on clustered data.
+# Above this many rows `auto` prefers a stored faiss index: exact search time grows with the rows (the float16 ->
+# float32 conversion dominates, far above the time to read the matrix once) while faiss IVF stays in milliseconds
+# at recall@10 1.0 on clustered data. Figures: benchmarks/results/search.json (benchmarks/bench_search.py).
 FAISS_THRESHOLD = 500_000
 
 
