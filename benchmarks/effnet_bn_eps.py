@@ -66,6 +66,7 @@ def main() -> None:
 
     from clip_mini.config import VisionConfig
     from clip_mini.data import build_eval_transform, load_image
+    from benchmarks.repo_paths import relative_to_repo
     from clip_mini.io import atomic_write_json
     from clip_mini.vision import EFFNET_PYPI, ImageEncoder
 
@@ -80,7 +81,7 @@ def main() -> None:
         ref = reference()
         ref_logits = ref(pixels) if ref is not None else None
     top1 = {name: out.argmax(1) for name, out in logits.items()}
-    result = {"images": args.images, "n_images": len(files), "image_size": args.size,
+    result = {"images": relative_to_repo(args.images), "n_images": len(files), "image_size": args.size,
               "preprocess": {"mean": list(pre.mean), "std": list(pre.std), "resize_mode": pre.resize_mode},
               "builds": {}}
     for name, out in logits.items():

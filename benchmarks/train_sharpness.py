@@ -53,6 +53,7 @@ def main() -> None:
 
     from clip_mini.data import load_image
     from clip_mini.data.transforms import train_base_size
+    from benchmarks.repo_paths import relative_to_repo
     from clip_mini.io import atomic_write_json
 
     s = args.size
@@ -64,7 +65,7 @@ def main() -> None:
         bw, bh = min(1.0, math.sqrt(area * ratio)), min(1.0, math.sqrt(area / ratio))
         boxes.append((rng.uniform(0, 1 - bw), rng.uniform(0, 1 - bh), bw, bh))
     ideal = [resize(crop(img, box), s) for img, box in zip(images, boxes)]
-    result = {"images": args.images, "n_images": len(images), "size": s, "scale_min": args.scale_min,
+    result = {"images": relative_to_repo(args.images), "n_images": len(images), "size": s, "scale_min": args.scale_min,
               "eval_neighbour_difference": float(np.mean([neighbour_difference(resize(img, s)) for img in images])),
               "ideal_neighbour_difference": float(np.mean([neighbour_difference(x) for x in ideal])),
               "current_base": train_base_size(s, args.scale_min), "bases": {}}
