@@ -9,6 +9,12 @@ if [ ! -f data/shapes/images/train_09999.png ]; then   # absent, or an older/sma
 fi
 "$BIN/clip-mini" train --config configs/tiny.yaml --set train.out_dir=runs/tiny
 "$BIN/clip-mini" eval --model runs/tiny/best --data configs/tiny.yaml --split val
+# Held-out and harder: compositional_test.csv, images whose first object is a colour-shape pair no training caption
+# names (e.g. a red star). The whole file is scored as one split: with val and test sizes 0 every image lands in
+# the split called "train", a name only; the model never trained on any of these images.
+echo; echo "== recall on the compositional split (data/shapes/compositional_test.csv, never trained on)"
+"$BIN/clip-mini" eval --model runs/tiny/best --data configs/tiny.yaml --split train \
+  --set data.captions=data/shapes/compositional_test.csv --set data.val=0 --set data.test=0
 "$BIN/clip-mini" index --model runs/tiny/best --images data/shapes/images --out indexes/shapes
 for q in "a large red circle on the left" "a blue star above a green square" "a small yellow triangle at the bottom"; do
   echo; echo "== $q"
