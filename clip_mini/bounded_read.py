@@ -62,6 +62,8 @@ def check_regular(path: str | os.PathLike) -> os.stat_result:
         FileNotFoundError: the path does not exist (or is a dangling link).
         UnreadableFileError: it is a pipe, socket, device node or directory.
     """
+    if "\0" in os.fsdecode(path):   # os.stat would raise ValueError, which callers do not expect of a bad file
+        raise UnreadableFileError(os.fsdecode(path), "the name contains a NUL byte")
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         raise UnreadableFileError(os.fspath(path), f"not a regular file but a {file_kind(st.st_mode)}; skipped")

@@ -164,3 +164,31 @@ def test_load_table_writes_no_report_when_clean(tmp_path):
     (tmp_path / "captions.csv").write_text("image,caption\na.png,x\n")
     load_table(DataConfig(captions=str(tmp_path / "captions.csv")), report_dir=tmp_path / "run")
     assert not (tmp_path / "run" / "skipped.csv").exists()
+
+
+def test_only_the_image_formats_we_claim_are_decoded(tmp_path):
+    # Pillow would otherwise try all of its ~40 decoders on any file (EPS among them, which runs Ghostscript):
+    # a TGA under a .png name decoded before; now it is refused like any other non-image.
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(tmp_path / "tga.png", format="TGA")
+    with pytest.raises(ImageError, match="not an image .*format other than") as e:
+        load_image(tmp_path / "tga.png")
+    assert e.value.path == str(tmp_path / "tga.png")
+    assert "not an image" in check_images([tmp_path / "tga.png"])[str(tmp_path / "tga.png")]
+
+
+def test_header_longer_than_the_probe_is_read_whole(tmp_path):
+    # A 200 KB ICC profile puts the JPEG's frame header past the first 64 KB the header check reads.
+    rng = np.random.default_rng(0)
+    path = tmp_path / "big_header.jpg"
+    Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(
+        path, quality=90, icc_profile=rng.integers(0, 256, 200_000, dtype=np.uint8).tobytes())
+    assert check_images([path]) == {}
+    assert load_image(path).shape == (16, 16, 3)
+
+
+def test_nul_byte_and_directory_paths_raise_image_error(tmp_path):
+    with pytest.raises(ImageError, match="NUL byte"):
+        load_image(str(tmp_path / "a\0b.png"))
+    with pytest.raises(ImageError, match="not a regular file but a directory"):
+        load_image(tmp_path)
+    assert "NUL byte" in check_images([str(tmp_path / "a\0b.png")])[str(tmp_path / "a\0b.png")]

@@ -74,6 +74,15 @@ def test_coco_json(tmp_path):
     ({"images": [{"id": 1}], "annotations": []}, r"images\[0\]"),
     ({"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": [{"image_id": 2, "caption": "x"}]},
      r"annotations\[0\] refers to image_id 2"),
+    # Found by tests/test_fuzz.py: unhashable ids crashed with TypeError, other types became names silently.
+    ({"images": [{"id": [1], "file_name": "a.jpg"}], "annotations": []}, r"images\[0\]\.id must be an integer"),
+    ({"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": [{"image_id": {"a": 1}, "caption": "x"}]},
+     r"annotations\[0\]\.image_id must be an integer"),
+    ({"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": [{"image_id": True, "caption": "x"}]},
+     r"annotations\[0\]\.image_id must be an integer"),
+    ({"images": [{"id": 1, "file_name": {"x": 1}}], "annotations": []}, r"images\[0\]\.file_name must be a string"),
+    ({"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": [{"image_id": 1, "caption": ["x"]}]},
+     r"annotations\[0\]\.caption must be a string"),
 ])
 def test_coco_errors_name_the_field(tmp_path, coco, match):
     (tmp_path / "c.json").write_text(json.dumps(coco))
@@ -86,6 +95,33 @@ def test_paths_escaping_the_root_are_refused(tmp_path, name):
     (tmp_path / "c.csv").write_text(f"image,caption\nok.png,fine\n{name},evil\n")
     with pytest.raises(DataError, match=r"c\.csv: row 2: image path .* is outside the image root"):
         read_captions(tmp_path / "c.csv", image_root=tmp_path)
+
+
+@pytest.mark.parametrize("name", [".", "sub/..", "./"])
+def test_a_name_that_is_the_root_itself_is_refused(tmp_path, name):
+    # Found by tests/test_fuzz.py: "." resolved to the image folder and passed as an image path.
+    (tmp_path / "c.csv").write_text(f"image,caption\nok.png,fine\n{name},odd\n")
+    with pytest.raises(DataError, match=r"c\.csv: row 2: image path .* is the image root itself"):
+        read_captions(tmp_path / "c.csv", image_root=tmp_path)
+
+
+def test_image_name_with_a_nul_byte_names_the_row(tmp_path):
+    # Found by tests/test_fuzz.py: os.stat raised ValueError ("embedded null byte") from the image check.
+    (tmp_path / "c.csv").write_bytes(b"image,caption\nok.png,fine\nb\x00d.png,odd\n")
+    with pytest.raises(DataError, match=r"c\.csv: row 2: image name .* contains a NUL byte"):
+        read_captions(tmp_path / "c.csv")
+
+
+def test_over_long_image_name_is_a_missing_file_not_a_crash(tmp_path):
+    # Found by tests/test_fuzz.py: guessing the image root stat-ed a 300-byte name and pathlib raised ENAMETOOLONG.
+    long_name = "n" * 300 + ".png"
+    _images(tmp_path, ["ok.png"])
+    (tmp_path / "c.csv").write_text(f"image,caption\nok.png,fine\n{long_name},long\n")
+    df, _ = read_captions(tmp_path / "c.csv")
+    assert df["image"].tolist() == ["ok.png", long_name]
+    from clip_mini.data.images import check_images
+
+    assert "cannot read" in check_images(df["path"])[str(tmp_path / long_name)]
 
 
 def test_absolute_path_inside_root_is_allowed(tmp_path):
@@ -183,6 +219,20 @@ def test_split_list_errors():
         split_by_image(df, val_list=["zzz.jpg"])
     with pytest.raises(DataError, match="no training images|would take all"):
         split_by_image(df, val=5, test=5)
+
+
+def test_split_counts_print_as_integers_and_say_the_fix():
+    df = _table(2)
+    with pytest.raises(DataError) as err:
+        split_by_image(df, val=300.0)   # a config value: YAML and --set give floats
+    assert "val split of 300 images would take all 2 images" in str(err.value)
+    assert "300.0" not in str(err.value) and "smaller data.val" in str(err.value) and "at most 1" in str(err.value)
+    with pytest.raises(DataError, match=r"data\.test=2\.5 is neither a fraction .* nor a whole count"):
+        split_by_image(df, val=0, test=2.5)
+    with pytest.raises(DataError, match=r"data\.val=1, data\.test=1, 2 images\); use a smaller data\.val"):
+        split_by_image(df, val=1.0, test=1.0)
+    with pytest.raises(DataError, match="data.val must be >= 0"):
+        split_by_image(df, val=float("nan"))
 
 
 def test_split_zero_val_gives_empty_frames():

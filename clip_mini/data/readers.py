@@ -67,6 +67,8 @@ def read_captions(path: str | Path, image_root: Optional[str | Path] = None, fmt
             raise DataError(f"{path}: unknown captions format {fmt!r} (use auto, csv, tsv, flickr8k or coco)")
     keep, skipped = [], []
     for name, cap, row in zip(names, captions, rows):
+        if "\0" in name:   # no file can have this name; the captions file is binary or damaged
+            raise DataError(f"{path}: {row}: image name {name!r} contains a NUL byte")
         if not name:
             skipped.append((f"{path}:{row}", "empty image name"))
         elif not cap:
@@ -182,33 +184,54 @@ def _read_coco(path: Path, raw: bytes):
     for i, im in enumerate(data["images"]):
         if not isinstance(im, dict) or "id" not in im or "file_name" not in im:
             raise DataError(f"{path}: images[{i}] needs fields 'id' and 'file_name'")
-        files[im["id"]] = str(im["file_name"])
+        files[_coco_id(path, f"images[{i}].id", im["id"])] = _coco_str(path, f"images[{i}].file_name",
+                                                                      im["file_name"])
     names, captions, rows = [], [], []
     for i, ann in enumerate(data["annotations"]):
         if not isinstance(ann, dict) or "image_id" not in ann or "caption" not in ann:
             raise DataError(f"{path}: annotations[{i}] needs fields 'image_id' and 'caption'")
-        if ann["image_id"] not in files:
-            raise DataError(f"{path}: annotations[{i}] refers to image_id {ann['image_id']!r}, "
-                            "which is not in 'images'")
-        names.append(files[ann["image_id"]].strip())
-        captions.append(str(ann["caption"] or "").strip())
+        image_id = _coco_id(path, f"annotations[{i}].image_id", ann["image_id"])
+        if image_id not in files:
+            raise DataError(f"{path}: annotations[{i}] refers to image_id {image_id!r}, which is not in 'images'")
+        names.append(files[image_id].strip())
+        captions.append(_coco_str(path, f"annotations[{i}].caption", ann["caption"] or "").strip())
         rows.append(f"annotations[{i}]")
     if not names:
         raise DataError(f"{path}: no annotations")
     return names, captions, rows
 
 
+def _coco_id(path: Path, field: str, value) -> int | str:
+    # bool is an int to Python; an id of true would silently match image 1.
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise DataError(f"{path}: {field} must be an integer or a string, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _coco_str(path: Path, field: str, value) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{path}: {field} must be a string, got {json.dumps(value)[:40]}")
+    return value
+
+
 def guess_image_root(captions_path: Path, names) -> Path:
     """The captions file's folder, or its ``images/``/``Images/`` subfolder if more of the names live there."""
     folder = captions_path.resolve().parent
     probe = list(names[:_ROOT_PROBE])
-    best, best_hits = folder, sum((folder / n).is_file() for n in probe)
+    best, best_hits = folder, sum(_is_file(folder / n) for n in probe)
     for sub in ("images", "Images"):
         if (folder / sub).is_dir():
-            hits = sum((folder / sub / n).is_file() for n in probe)
+            hits = sum(_is_file(folder / sub / n) for n in probe)
             if hits > best_hits:
                 best, best_hits = folder / sub, hits
     return best
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:   # a name over 255 bytes: pathlib raises ENAMETOOLONG instead of answering False
+        return False
 
 
 def _resolve_paths(captions_path: Path, root: Path, names: pd.Series, rows: pd.Series) -> list[str]:
@@ -218,10 +241,11 @@ def _resolve_paths(captions_path: Path, root: Path, names: pd.Series, rows: pd.S
     resolved = {}
     for name in names.unique():
         p = os.path.normpath(os.path.join(root_abs, name))
-        if p != root_abs and not p.startswith(root_abs.rstrip(os.sep) + os.sep):
+        if p == root_abs or not p.startswith(root_abs.rstrip(os.sep) + os.sep):
             row = rows[int((names == name).to_numpy().argmax())]
-            raise DataError(f"{captions_path}: {row}: image path {name!r} is outside the image root "
-                            f"{root_abs} (names must be relative to it, without '..')")
+            where = "the image root itself" if p == root_abs else "outside the image root"
+            raise DataError(f"{captions_path}: {row}: image path {name!r} is {where} "
+                            f"{root_abs} (names must be files inside it, without '..')")
         resolved[name] = p
     return names.map(resolved).tolist()
 
