@@ -29,6 +29,7 @@ from typing import Callable, Optional, TypeVar
 
 # Generous for any local disk: a whole 1 GiB file reads in a few seconds even from a slow disk.
 READ_TIMEOUT_S = 60.0
+_IDLE_S = 10.0   # a helper thread with no work for this long ends itself
 
 T = TypeVar("T")
 
@@ -142,16 +143,36 @@ def _read_at(fd: int, offset: int, n: int) -> bytes:
 
 # -- the helper thread -----------------------------------------------------------------------------------------
 class _Worker:
-    """One daemon thread running read jobs in order; abandoned (never joined) when a job overruns."""
+    """One daemon thread running read jobs in order; abandoned (never joined) when a job overruns.
+
+    It ends itself after ``_IDLE_S`` without work, so a program that calls from many short-lived threads does
+    not collect one parked helper per thread it ever had.
+    """
 
     def __init__(self):
         self.pid = os.getpid()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()   # orders "submit" against "exit when idle"
+        self.closed = False
         threading.Thread(target=self._loop, name="clip_mini-bounded-read", daemon=True).start()
+
+    def submit(self, job) -> bool:
+        """Queue ``job``; False when the thread has already ended (the caller makes a new worker)."""
+        with self.lock:
+            if not self.closed:
+                self.jobs.put(job)
+            return not self.closed
 
     def _loop(self) -> None:
         while True:
-            fn, box, done = self.jobs.get()
+            try:
+                fn, box, done = self.jobs.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self.lock:
+                    if self.jobs.empty():
+                        self.closed = True
+                        return
+                continue
             try:
                 box.append((True, fn()))
             except BaseException as e:   # handed to the waiting caller, which re-raises it
@@ -169,12 +190,12 @@ def run_bounded(path: str, fn: Callable[[], T], timeout: Optional[float] = None)
         UnreadableFileError: ``fn`` did not finish in time (naming ``path``); whatever ``fn`` raised otherwise.
     """
     timeout = READ_TIMEOUT_S if timeout is None else timeout
-    worker: Optional[_Worker] = getattr(_local, "worker", None)
-    if worker is None or worker.pid != os.getpid():   # threads do not survive fork (DataLoader workers)
-        worker = _local.worker = _Worker()
     box: list = []
     done = threading.Event()
-    worker.jobs.put((fn, box, done))
+    worker: Optional[_Worker] = getattr(_local, "worker", None)
+    # Threads do not survive fork (DataLoader workers), and an idle helper ends itself.
+    while worker is None or worker.pid != os.getpid() or not worker.submit((fn, box, done)):
+        worker = _local.worker = _Worker()
     if not done.wait(timeout):
         _local.worker = None   # stuck in the kernel; leave it and start a fresh thread next time
         raise UnreadableFileError(path, f"not read within {timeout:g} s (a stalled network or FUSE mount?); "

@@ -185,3 +185,25 @@ def test_reads_work_in_forked_dataloader_workers(tmp_path):
     loader = DataLoader(ds, batch_size=2, num_workers=1, multiprocessing_context="fork")
     batches = _within(60, list, loader)
     assert [bool(ok) for _, _, oks in batches for ok in oks] == [True] * 4
+
+
+def test_helper_threads_end_when_idle(tmp_path, monkeypatch):
+    """Callers on many short-lived threads must not leave one parked helper thread each behind."""
+    import time
+
+    monkeypatch.setattr(bounded_read, "_IDLE_S", 0.2)
+    path = write_images(tmp_path, 1)[0]
+    before = {t.ident for t in threading.enumerate()}
+    callers = [threading.Thread(target=load_image, args=(str(path),)) for _ in range(20)]
+    for t in callers:
+        t.start()
+        t.join(LIMIT_S)
+    assert load_image(str(path)).shape == (24, 24, 3)   # and this thread's helper ends too, then is replaced
+    deadline = time.monotonic() + LIMIT_S
+    while time.monotonic() < deadline:
+        helpers = [t for t in threading.enumerate() if t.name == "clip_mini-bounded-read" and t.ident not in before]
+        if not helpers:
+            break
+        time.sleep(0.05)
+    assert not helpers, f"{len(helpers)} helper threads still alive"
+    assert load_image(str(path)).shape == (24, 24, 3)
