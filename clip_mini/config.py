@@ -36,6 +36,10 @@ class VisionConfig:
     init_values: Optional[float] = None   # ViT LayerScale initial value; None: no LayerScale (DINOv2 needs it)
     # "cls": the CLS state (D); "cls_mean": [CLS ; mean of the patch tokens] (2D), DINOv2's linear-probe recipe
     pooling: Literal["cls", "cls_mean"] = "cls"
+    # ViT only: train just the last k blocks (with train.lr_image), the rest of the tower locked (final norm
+    # included); 0 = fully locked, as trainable: false. None: the whole tower follows `trainable`. With
+    # train.frozen_features the locked prefix's token states are precomputed (clip_mini/train/frozen.py).
+    trainable_blocks: Optional[int] = None
 
 
 @dataclass
@@ -182,6 +186,14 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"model.vision.width ({v.width}) must be divisible by model.vision.heads ({v.heads})")
         if v.pretrained == "dinov2-small-imgfocus":
             _check_dinov2_geometry(v)
+        if v.trainable_blocks is not None and not 0 <= v.trainable_blocks <= v.depth:
+            raise ConfigError(f"model.vision.trainable_blocks must be in [0, model.vision.depth={v.depth}], "
+                              f"got {v.trainable_blocks!r}")
+        if v.trainable_blocks and not v.trainable:
+            raise ConfigError(f"model.vision.trainable_blocks={v.trainable_blocks} trains the last blocks of a tower "
+                              "that model.vision.trainable=false locks; set model.vision.trainable=true")
+    elif v.trainable_blocks is not None:
+        raise ConfigError(f"model.vision.trainable_blocks needs model.vision.backbone=vit, got {v.backbone}")
     elif v.pooling != "cls":
         raise ConfigError(f"model.vision.pooling={v.pooling} needs model.vision.backbone=vit, got {v.backbone}")
     elif v.init_values is not None:

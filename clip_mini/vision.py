@@ -86,6 +86,54 @@ class ImageEncoder(nn.Module):
             return torch.cat([tokens[:, 0], patches], dim=-1)             # (B, 2D)
         return self.trunk(pixels)  # (B, D)
 
+    # -- frozen prefix / trainable suffix (model.vision.trainable_blocks) ------------------------------------
+    def prefix_depth(self, trainable_blocks: int | None = None) -> int:
+        """Blocks in the frozen prefix: ``depth - k`` for ``k = trainable_blocks`` (default: the config's)."""
+        if self.cfg.backbone != "vit":
+            raise ValueError(f"a frozen block prefix needs a ViT image tower, this model uses {self.cfg.backbone}")
+        k = self.cfg.trainable_blocks if trainable_blocks is None else trainable_blocks
+        if k is None:
+            raise ValueError("model.vision.trainable_blocks is not set: the tower has no frozen prefix")
+        depth = len(self.trunk.blocks)
+        if not 0 <= k <= depth:
+            raise ValueError(f"trainable_blocks must be in [0, {depth}], got {k}")
+        return depth - k
+
+    def forward_prefix(self, pixels: torch.Tensor, trainable_blocks: int | None = None) -> torch.Tensor:
+        """Token states after the frozen blocks: (B, 3, H, W) -> (B, prefix + N_patches, D).
+
+        The same operations as timm's ``forward_features`` up to block ``depth - k``, so
+        ``forward_suffix(forward_prefix(x)) == forward(x)``.
+        """
+        t, split = self.trunk, self.prefix_depth(trainable_blocks)
+        x = t.norm_pre(t.patch_drop(t._pos_embed(t.patch_embed(pixels))))
+        for block in t.blocks[:split]:
+            x = block(x)
+        return x
+
+    def forward_suffix(self, tokens: torch.Tensor, trainable_blocks: int | None = None) -> torch.Tensor:
+        """The last ``k`` blocks, the final norm and the pooling: (B, T, D) token states -> (B, width)."""
+        t, split = self.trunk, self.prefix_depth(trainable_blocks)
+        # a bf16 store is widened to the weights' dtype: the pixel path's residual stream is fp32 under autocast
+        x = tokens.to(t.pos_embed.dtype)
+        for block in t.blocks[split:]:
+            x = block(x)
+        x = t.norm(x)                                                 # (B, T, D)
+        if self.cfg.pooling == "cls_mean":
+            return torch.cat([x[:, 0], x[:, t.num_prefix_tokens:].mean(1)], dim=-1)   # (B, 2D)
+        return t.forward_head(x)                                      # (B, D): the CLS state
+
+    def in_trainable_suffix(self, name: str) -> bool:
+        """Whether parameter or buffer ``name`` (as ``named_parameters`` spells it) is in the last ``k`` blocks.
+
+        Only those blocks train under ``trainable_blocks``; the final norm stays locked with the prefix
+        (``k = 0`` is exactly the locked tower).
+        """
+        parts = name.split(".")
+        if parts[:2] != ["trunk", "blocks"]:
+            return False
+        return int(parts[2]) >= self.prefix_depth()
+
     def load_pretrained(self, path: str | Path) -> None:
         """Load a local weights file; a ViT's positional embedding is resampled to this grid if needed."""
         if str(path) == EFFNET_PYPI:

@@ -37,7 +37,10 @@ class FeatureModel(nn.Module):
 
     def forward(self, pixels: Optional[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 tower_features: Optional[torch.Tensor] = None):
-        # tower_features: a locked image tower's precomputed outputs (train.frozen_features) replace the pixels
+        # tower_features: a locked image tower's precomputed outputs (train.frozen_features) replace the pixels;
+        # (B, T, D) token states of its locked first blocks go through the trainable last ones first
+        if tower_features is not None and tower_features.ndim == 3:
+            tower_features = self.clip.visual.forward_suffix(tower_features)   # (B, width)
         image_features = (self.clip.encode_image(pixels) if tower_features is None
                           else self.clip.project_image(tower_features))          # (B, E)
         text_features = self.clip.encode_text(input_ids, attention_mask)      # (B, E)

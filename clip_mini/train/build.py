@@ -38,9 +38,10 @@ def check_train_config(cfg: Config) -> None:
         raise ConfigError(f"train.threads must be >= 1 (or null for automatic), got {t.threads!r}")
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir must not be empty")
-    if t.frozen_features and cfg.model.vision.trainable:
-        raise ConfigError("train.frozen_features needs a locked image tower (model.vision.trainable: false): the "
-                          "outputs of a tower that trains change every step and cannot be precomputed")
+    if t.frozen_features and cfg.model.vision.trainable and cfg.model.vision.trainable_blocks is None:
+        raise ConfigError("train.frozen_features needs a locked image tower (model.vision.trainable: false) or a "
+                          "locked block prefix (model.vision.trainable_blocks: k): the outputs of a tower that "
+                          "trains change every step and cannot be precomputed")
     if not (cfg.model.vision.trainable or cfg.model.text.trainable) and t.lr_head == 0:
         raise ConfigError("nothing to train: both towers frozen and train.lr_head = 0")
 

@@ -1,4 +1,4 @@
-"""Precomputed outputs of a locked image tower (``train.frozen_features: N``).
+"""Precomputed outputs of a locked image tower, or of its locked first blocks (``train.frozen_features: N``).
 
 When the image tower is frozen (LiT), its output for a given image and crop never changes, so running it at
 every step is wasted work: on this CPU it is most of a step with EfficientNet-Lite0. Instead the tower's pooled
@@ -7,10 +7,18 @@ augmentation, each seeded by ``(seed, view, image)``), and training reads those 
 ``e % N``. Only the image projection head, the text tower and the temperature then cost anything per step.
 Validation images get the eval view once, too.
 
+With ``model.vision.trainable_blocks: k > 0`` only the last ``k`` ViT blocks train, so what is stored is the
+token states after block ``depth - k`` ((N_tokens, D) per image, bf16 under bf16 precision); each step runs the
+last ``k`` blocks, the final norm and the pooling on them (``ImageEncoder.forward_suffix``), which costs about
+``k / depth`` of a tower pass. Token views are large (5,591 images x 145 tokens x 384 x 2 bytes = 623 MB per view
+for ViT-S/14 at 168 px), so they are memory-mapped from their files rather than stacked in memory: an epoch
+pages in only its own view. Evaluation runs the current last blocks on the stored validation tokens.
+
 Each view is stored in the run directory (``frozen_features/{split}-view{v}.safetensors``, written atomically)
 with a key over everything it depends on (the image files' paths, sizes and mtimes, the tower config and weights,
 the precision, the preprocessing and image cache geometry, and for augmented views the augmentation settings and
-the seed), so a resumed run reuses them, a
+the seed; with a block prefix, ``k`` and the weights of everything that does not train, never those of the
+last ``k`` blocks, which a resumed run has changed), so a resumed run reuses them, a
 run with more views computes only the new ones, and a changed input recomputes them.
 """
 from __future__ import annotations
@@ -38,6 +46,21 @@ def split_paths(df: pd.DataFrame) -> list[str]:
     return df.drop_duplicates("image_id").sort_values("image_id")["path"].astype(str).tolist()
 
 
+def token_blocks(cfg: Config) -> int:
+    """``k`` when the store holds token states before the last ``k`` trainable blocks, else 0 (pooled outputs)."""
+    v = cfg.model.vision
+    return v.trainable_blocks if v.trainable and v.trainable_blocks else 0
+
+
+def frozen_state(visual, cfg: Config) -> dict[str, torch.Tensor]:
+    """The tower weights the stored outputs depend on and that never train: all of them for a locked tower; with
+    a block prefix everything but the last ``k`` blocks (whose weights a resumed run has already changed)."""
+    state = visual.state_dict()
+    if not token_blocks(cfg):
+        return state
+    return {n: t for n, t in state.items() if not visual.in_trainable_suffix(n)}
+
+
 def inputs_digest(cfg: Config, paths: list[str], tower_state: dict[str, torch.Tensor],
                   pre: PreprocessConfig) -> str:
     """Hash of what every view depends on: the image files (path, size, mtime), the tower config and weights,
@@ -58,7 +81,8 @@ def inputs_digest(cfg: Config, paths: list[str], tower_state: dict[str, torch.Te
     pixels = {"preprocess": dataclasses.asdict(pre), "cache": cfg.data.cache,
               "cache_geometry": cache_geometry(cfg.data, pre)}
     h.update(json.dumps({"format": FORMAT, "files": files, "vision": dataclasses.asdict(cfg.model.vision),
-                         "precision": cfg.train.precision, **pixels}, sort_keys=True, default=str).encode())
+                         "token_blocks": token_blocks(cfg), "precision": cfg.train.precision, **pixels},
+                        sort_keys=True, default=str).encode())
     for name in sorted(tower_state):   # the weights themselves: a different checkpoint, different features
         h.update(name.encode())
         h.update(tower_state[name].detach().float().cpu().numpy().tobytes())
@@ -99,19 +123,26 @@ class _ViewDataset(Dataset):
 
 @torch.inference_mode()
 def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, device: torch.device, precision: str,
-                 workers: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, D)`` tower outputs of one view and an ``(N,)`` bool mask of the images that could be read."""
+                 workers: int, desc: str, blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, D)`` tower outputs of one view (``blocks = k > 0``: ``(N, T, D)`` token states before the last
+    ``k`` blocks) and an ``(N,)`` bool mask of the images that could be read."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model.visual.eval()
     dataset.view = view
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                         generator=torch.Generator())   # never moves the global RNG (exact resume)
-    rows, oks = [], []
+    rows, oks, start = None, [], 0
     for pixels, _, ok in tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True):
         with autocast(device, precision):
-            rows.append(model.visual(pixels.to(device)).to(dtype).cpu())
+            pixels = pixels.to(device)
+            out = model.visual.forward_prefix(pixels, blocks) if blocks else model.visual(pixels)
+        if rows is None:   # filled in place: a token view is hundreds of MB, a list + cat would hold it twice
+            rows = torch.empty((len(dataset), *out.shape[1:]), dtype=dtype)
+        rows[start:start + len(out)] = out.to(dtype).cpu()
+        start += len(out)
         oks.append(ok)
-    return torch.cat(rows), torch.cat(oks)
+    assert rows is not None and start == len(dataset), "the view covers every image"
+    return rows, torch.cat(oks)
 
 
 def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -130,9 +161,14 @@ def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, tor
 
 
 def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int, run: Path, cache,
-                    device: torch.device, augment=None, write: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(views, N, D)`` features and the ``(N,)`` readable mask of a split: each view read from
+                    device: torch.device, augment=None, write: bool = True):
+    """Features of a split and its ``(N,)`` readable mask: each view read from
     ``frozen_features/{split}-view{v}.safetensors`` when its key matches, else computed (and stored, if ``write``).
+
+    Returns:
+        ``(features, ok)``: features a ``(views, N, D)`` tensor of tower outputs, or under
+        ``model.vision.trainable_blocks: k > 0`` a list of ``views`` ``(N, T, D)`` token-state tensors,
+        memory-mapped from their files (a stored view is never loaded whole).
     """
     from safetensors.torch import save_file
 
@@ -140,7 +176,8 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
     from clip_mini.io import atomic_path
 
     paths = split_paths(df)
-    digest = inputs_digest(cfg, paths, model.visual.state_dict(), model.preprocess)
+    blocks = token_blocks(cfg)
+    digest = inputs_digest(cfg, paths, frozen_state(model.visual, cfg), model.preprocess)
     dataset, features, ok_all = None, [], torch.ones(len(paths), dtype=torch.bool)
     for view in range(views):
         key = features_key(digest, cfg, view)
@@ -149,18 +186,24 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
         if got is None:
             if dataset is None:
                 dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
+            what = f"blocks 1-{model.visual.prefix_depth(blocks)} token states" if blocks else "image features"
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
-                               cfg.data.workers, desc=f"frozen image features ({split}, view {view + 1}/{views})")
+                               cfg.data.workers, desc=f"frozen {what} ({split}, view {view + 1}/{views})",
+                               blocks=blocks)
             if write:
                 with atomic_path(path) as tmp:
                     save_file({"features": got[0].contiguous(), "ok": got[1]}, str(tmp), metadata={"key": key})
+                if blocks:   # drop the in-memory copy for the memory-mapped file
+                    got = _read_view(path, key, len(paths)) or got
         features.append(got[0])
         ok_all &= got[1]
-    return torch.stack(features), ok_all
+    return (features if blocks else torch.stack(features)), ok_all
 
 
 class FrozenFeatureDataset(Dataset):
     """(tower features, caption, image_id) rows; ``epoch`` (set by the loader) picks view ``epoch % views``.
+
+    ``features`` is indexed ``[view][image]``: a ``(views, N, D)`` tensor or a list of per-view tensors.
 
     A row whose image could not be read when the features were computed is replaced by the next readable row,
     as ``CaptionDataset`` does for pixels, so the pair stays genuine.
@@ -180,7 +223,7 @@ class FrozenFeatureDataset(Dataset):
         return len(self.captions)
 
     def __getitem__(self, i: int):
-        view = self.epoch % self.features.shape[0]
+        view = self.epoch % len(self.features)
         n = len(self.captions)
         for step in range(n):
             j = (i + step) % n
@@ -216,7 +259,7 @@ def prepare(model, cfg: Config, splits: dict[str, pd.DataFrame], run: Path, cach
             out["train"] = load_or_compute(model, cfg, splits["train"], "train", views, run, cache, device,
                                            augment, write=is_main)
             val, ok = load_or_compute(model, cfg, splits["val"], "val", 1, run, cache, device, write=is_main)
-            out["val"] = (val[0], ok)   # (N, D): the one eval view
+            out["val"] = (val[0], ok)   # (N, D) or (N, T, D): the one eval view
         if rank_turn:
             barrier()
     return out
@@ -235,3 +278,19 @@ def build_frozen_train_inputs(cfg: Config, df: pd.DataFrame, features: torch.Ten
     # workers: 0, rows are slices of one in-memory tensor; worker processes would only add pickling
     return TrainInputs(FrozenFeatureDataset(df, features, ok), sampler,
                        FeatureCollate(CaptionCollate(tokenizer, max_length)), t.batch_size, t.accum_freq, 0, steps)
+
+
+@torch.inference_mode()
+def val_tower_features(model, val: tuple[torch.Tensor, torch.Tensor], batch_size: int, device: torch.device,
+                       precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(features, ok)`` as ``evaluate_model`` takes them: stored tower outputs as they are; stored token states
+    through the current last blocks (eval mode, in batches), i.e. what the model gives on the pixels."""
+    features, ok = val
+    if features.ndim == 2:
+        return features, ok
+    model.visual.eval()   # the caller restores training mode
+    rows = []
+    for s in range(0, len(features), batch_size):
+        with autocast(device, precision):
+            rows.append(model.visual.forward_suffix(features[s:s + batch_size].to(device)))
+    return torch.cat(rows), ok

@@ -270,10 +270,13 @@ def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog,
 
     The row's ``time_s`` is the run's wall time so far (this process), ``eval_s`` the evaluation's share of it.
     """
+    from clip_mini.train.frozen import val_tower_features
+
     t, start = cfg.train, time.time()
+    tower = val_tower_features(model, frozen_feats["val"], t.eval_batch_size, device, t.precision) \
+        if frozen_feats else None   # stored token states go through the current (fine-tuned) last blocks
     val = evaluate_model(model, df, transform, batch_size=t.eval_batch_size, cache=cache, device=device,
-                         precision=t.precision, workers=cfg.data.workers,
-                         tower_features=frozen_feats["val"] if frozen_feats else None)
+                         precision=t.precision, workers=cfg.data.workers, tower_features=tower)
     total, n = state["epoch_loss"]
     log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
              **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start})

@@ -1,6 +1,6 @@
 """Optimiser set-up: tower freezing (LiT-style), AdamW parameter groups, warmup + cosine learning-rate schedule.
 
-Groups: image tower, text tower and heads (projection heads + ``logit_scale``) each get their own learning rate
+Groups: image tower (only its last ``model.vision.trainable_blocks`` blocks when set), text tower and heads (projection heads + ``logit_scale``) each get their own learning rate
 (``train.lr_image`` / ``lr_text`` / ``lr_head``, falling back to ``train.lr``), and each is split into a decayed
 and a non-decayed part. Biases, norm weights, the CLS token, positional embeddings and ``logit_scale`` are never
 weight-decayed: decay would pull them towards zero, which has no regularising meaning for them.
@@ -19,7 +19,8 @@ NO_DECAY_NAMES = ("cls_token", "pos_embed", "position_embeddings", "logit_scale"
 
 
 def freeze_towers(model: nn.Module) -> list[str]:
-    """Switch off gradients for towers whose config says ``trainable: false``; returns the frozen tower names.
+    """Switch off gradients for towers whose config says ``trainable: false``, and for all but the last
+    ``model.vision.trainable_blocks`` blocks of the image tower; returns what is frozen, by name.
 
     The projection heads always train: they are freshly initialised, so a locked tower still needs its head
     to map into the shared space (LiT locks the image tower and trains the text side against it).
@@ -29,16 +30,27 @@ def freeze_towers(model: nn.Module) -> list[str]:
         if not tower_cfg.trainable:
             tower.requires_grad_(False)
             frozen.append(name)
+    k = model.cfg.vision.trainable_blocks
+    if model.cfg.vision.trainable and k is not None:
+        for n, p in model.visual.named_parameters():
+            p.requires_grad_(model.visual.in_trainable_suffix(n))
+        frozen.append("image" if k == 0 else f"image (all but its last {k} blocks)")
     return frozen
 
 
 def set_train_mode(model: nn.Module, training: bool = True) -> None:
-    """``model.train(training)``, but frozen towers stay in eval mode (no dropout noise in a locked tower)."""
+    """``model.train(training)``, but frozen towers (and a frozen block prefix) stay in eval mode: no dropout or
+    drop-path noise where nothing learns, and the stored prefix outputs were computed in eval mode."""
     model.train(training)
     if training:
         for tower, tower_cfg in ((model.visual, model.cfg.vision), (model.text, model.cfg.text)):
             if not tower_cfg.trainable:
                 tower.eval()
+        k = model.cfg.vision.trainable_blocks
+        if model.cfg.vision.trainable and k is not None:
+            model.visual.eval()
+            for block in model.visual.trunk.blocks[model.visual.prefix_depth():]:
+                block.train()
 
 
 def _no_decay(name: str, param: nn.Parameter) -> bool:
