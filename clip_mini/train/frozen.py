@@ -186,7 +186,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
         if got is None:
             if dataset is None:
                 dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
-            what = f"blocks 1-{model.visual.prefix_depth(blocks)} token states" if blocks else "image features"
+            what = f"token states before the last {blocks} blocks" if blocks else "image features"
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
                                cfg.data.workers, desc=f"frozen {what} ({split}, view {view + 1}/{views})",
                                blocks=blocks)
@@ -229,7 +229,7 @@ class FrozenFeatureDataset(Dataset):
             j = (i + step) % n
             image = self.image_ids[j]
             if self.ok[image]:
-                return self.features[view, image], self.captions[j], image
+                return self.features[view][image], self.captions[j], image
         raise AssertionError("unreachable: at least one image is readable")
 
 
