@@ -144,7 +144,8 @@ def train_peer(cfg, budget_s: float) -> dict:
     splits = load_splits(cfg, progress=False)
     if not len(splits["val"]) or not len(splits["test"]):
         raise SystemExit("error: the open_clip peer needs non-empty val and test splits (set data.val and data.test)")
-    pre = PreprocessConfig(image_size=cfg.model.vision.image_size, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD)
+    pre = PreprocessConfig(image_size=cfg.model.vision.image_size, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD,
+                           resize_mode=cfg.data.resize_mode)
     cache = make_image_cache(cfg, pre, splits)
     tokenizer = BpeTokenizer(cfg.model.text.max_length)
     torch.manual_seed(t.seed)

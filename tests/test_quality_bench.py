@@ -104,6 +104,7 @@ def test_trainer_variant_reports_test_for_best_and_final_within_budget(shapes, t
     assert "error" not in r, r
     assert r["wall_s"] <= r["budget_s"] + TOLERANCE_S
     assert r["timed_steps"] == 6 and r["step_s"] > 0 and r["test_score_s"] > 0
+    assert r["cache_warmup"]["images"] == 200 and r["cache_warmup"]["decoded"] == 200   # a fresh cache, all of it
     for which in ("best", "final"):
         assert _has_numbers(r[which]["test"]) and r[which]["test_images"] == 30, which
     assert _has_numbers(r["best"]["val"])
