@@ -69,6 +69,7 @@ BUILTIN = {
 }
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "rsum")
 TEST_RESERVE_NO_PROBE = 0.1   # share of the budget kept for the test scores when --epochs skips the timing
+STOP_S = 2.0                  # a run stopped at the reserve: its exit after SIGTERM
 
 
 @dataclass
@@ -195,27 +196,31 @@ def export_checkpoint(run: Path, out: Path) -> Path:
     return out
 
 
-def time_reserve(run: Path, out: Path) -> tuple[float, float]:
-    """Seconds of one test score (of the paused model) and of the trainer's per-epoch writes.
+def time_reserve(run: Path, out: Path) -> dict[str, float]:
+    """Seconds of one test score, of exporting a checkpoint, and of the trainer's per-epoch writes.
 
-    The per-epoch writes (a checkpoint and ``curves.png``) are not in an epoch row's ``eval_s``; they are timed
-    here by writing the paused run's checkpoint and curves once more, beside the run. The export (which does
-    this process's one-time imports) is outside the clocks; it still counts against the variant's budget.
+    Measured on the paused run: its checkpoint exported as a model directory and scored on test (each of the
+    two scores at the end takes as long; a run stopped at the reserve also needs the export). The per-epoch
+    writes (a checkpoint and ``curves.png``) are not in an epoch row's ``eval_s``; they are timed by writing the
+    paused run's checkpoint and curves once more, beside the run. The first export (which does this process's
+    one-time imports) is outside the clocks; it still counts against the variant's budget.
     """
     import clip_mini.model_eval  # noqa: F401
     from clip_mini.train import checkpoint as ckpt_io
     from clip_mini.train.logbook import write_curves
 
-    model_dir = export_checkpoint(run, out)
-    start = time.time()
+    model_dir, clock = export_checkpoint(run, out), time.time()
     score_model(model_dir, run / "config.yaml")
-    test_s, start = time.time() - start, time.time()
+    got = {"test_score_s": time.time() - clock}
+    clock = time.time()
+    export_checkpoint(run, out)
+    got["export_s"], clock = time.time() - clock, time.time()
     scratch = out / "timing"
     ckpt_io.save_checkpoint(scratch, ckpt_io.load_checkpoint(ckpt_io.resolve_resume("auto", run)), keep=1)
     write_curves(_rows(run), scratch / "curves.png")
-    writes_s = time.time() - start
+    got["epoch_writes_s"] = time.time() - clock
     shutil.rmtree(scratch, ignore_errors=True)
-    return test_s, writes_s
+    return got
 
 
 def warm_cache(cfg) -> dict:
@@ -298,14 +303,15 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
         step_s = first["batch"] / steps[-1]["pairs_per_s"]   # the last window: after the resume's warm-up
         resume_setup = max(0.0, resumed_wall - (p2 - p1) * step_s)
         # 3. one test score of the paused model (each of the two at the end takes as long) and the per-epoch writes
-        test_s, writes_s = time_reserve(run, out_root / f"{v.name}_probe_model")
-        reserve = 2 * test_s
+        timed = time_reserve(run, out_root / f"{v.name}_probe_model")
+        reserve = 2 * timed["test_score_s"] + timed["export_s"] + STOP_S
         time_left = budget_s - (time.time() - t0) - reserve - resume_setup
-        epochs = fit_epochs(time_left, step_s, first["eval_s"] + writes_s, first["steps_per_epoch"], p2)
+        epochs = fit_epochs(time_left, step_s, first["eval_s"] + timed["epoch_writes_s"], first["steps_per_epoch"],
+                            p2)
         info = {"timed_steps": p2, "first_piece_setup_s": round(first["setup_s"], 1),
                 "resume_setup_s": round(resume_setup, 1), "step_s": round(step_s, 3),
-                "val_eval_s": round(first["eval_s"], 1), "epoch_writes_s": round(writes_s, 1),
-                "test_score_s": round(test_s, 1), "time_left_s": round(time_left, 1),
+                "val_eval_s": round(first["eval_s"], 1), **{k: round(x, 1) for k, x in timed.items()},
+                "reserve_s": round(reserve, 1), "time_left_s": round(time_left, 1),
                 "steps_per_epoch": first["steps_per_epoch"], "train_images": first["train_images"]}
     # the run itself (resumed after the timed pieces): stopped if it reaches the test-score reserve
     cmd = [sys.executable, "train.py", "--config", str(v.config)] + [a for s in sets for a in ("--set", s)]
