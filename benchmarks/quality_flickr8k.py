@@ -300,6 +300,9 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
                "the second timed piece", log)
         resumed_wall = time.time() - tick
         steps = [r for r in _rows(run) if r.get("kind") == "step" and r["step"] > p1]
+        if not steps:
+            raise BudgetError(f"{v.name}: the run ended before step {p2} (train.epochs x steps/epoch is smaller); "
+                              f"pass --epochs (log: {log})")
         step_s = first["batch"] / steps[-1]["pairs_per_s"]   # the last window: after the resume's warm-up
         resume_setup = max(0.0, resumed_wall - (p2 - p1) * step_s)
         # 3. one test score of the paused model (each of the two at the end takes as long) and the per-epoch writes
