@@ -459,7 +459,9 @@ def main(argv=None) -> None:
               "evaluations, the test scores of best and final", "limit_images": args.limit_images or None,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "results": results}
     from clip_mini.io import atomic_write_json
+    from repo_paths import scrub_paths
 
+    report = scrub_paths(report)   # the JSON names files relative to the repository, never this machine's layout
     atomic_write_json(args.result, report)
     print(json.dumps(report, indent=2))
     print_summary(report)

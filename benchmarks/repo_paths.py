@@ -11,3 +11,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def relative_to_repo(path: str | os.PathLike) -> str:
     """``path`` relative to the repository root, with forward slashes (``../shared/data/flickr8k/images``)."""
     return Path(os.path.relpath(Path(path).resolve(), ROOT)).as_posix()
+
+
+def scrub_paths(obj):
+    """``obj`` (a JSON-able value) with every absolute path inside the repository or the shared folder beside it
+    rewritten relative to the repository, inside longer strings too (recorded command lines, overrides)."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub_paths(v) for v in obj]
+    if isinstance(obj, str):
+        shared = ROOT.parent.resolve() / "shared"
+        return obj.replace(f"{shared}/", "../shared/").replace(str(shared), "../shared").replace(f"{ROOT}/", "")
+    return obj
