@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def relative_to_repo(path: str | os.PathLike) -> str:
     """``path`` relative to the repository root, with forward slashes (``../shared/data/flickr8k/images``)."""
-    return Path(os.path.relpath(Path(path).resolve(), ROOT)).as_posix()
+    # abspath, not resolve(): a shared folder that is a link must still read ../shared, not the link's target
+    return Path(os.path.relpath(os.path.abspath(path), ROOT)).as_posix()
 
 
 def scrub_paths(obj):
