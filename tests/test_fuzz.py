@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from clip_mini.config import DataConfig
 from clip_mini.data.dataset import load_table
 from clip_mini.data.images import ImageError, check_images, load_image
 from clip_mini.data.readers import COLUMNS, DataError, read_captions
+from timeouts import within
 
 # Pillow warns about the corrupt EXIF it skips; expected here by construction.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning:PIL.TiffImagePlugin")]
@@ -36,23 +36,8 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=True,
 
 
 def _returns(fn, *args):
-    """``fn(*args)`` on a helper thread, failing the test if it has not returned after ``CASE_LIMIT_S``."""
-    box: list = []
-
-    def target():
-        try:
-            box.append((True, fn(*args)))
-        except BaseException as e:   # re-raised in the test's thread
-            box.append((False, e))
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(CASE_LIMIT_S)
-    assert not thread.is_alive(), f"{fn.__name__}{args!r} did not return within {CASE_LIMIT_S} s"
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
+    """``fn(*args)``, failing the test if it has not returned after ``CASE_LIMIT_S``."""
+    return within(CASE_LIMIT_S, fn, *args)
 
 
 # -- mutations -----------------------------------------------------------------------------------------------

@@ -25,30 +25,13 @@ from clip_mini.data.images import ImageError, check_images, load_image
 from clip_mini.data.readers import DataError, read_captions
 from clip_mini.data.splits import read_name_list
 from conftest import write_images
+from timeouts import within
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_S = 20   # far above what any of these calls needs; only a hang gets near it
 SPECIAL = {"fifo.jpg": "named pipe", "sock.png": "socket", "zero.jpg": "character device"}
 
 
-def _within(seconds: float, fn, *args):
-    """``fn(*args)`` on a daemon thread; fail the test if it is still running after ``seconds``."""
-    box: list = []
-
-    def target():
-        try:
-            box.append((True, fn(*args)))
-        except BaseException as e:   # re-raised in the test's thread
-            box.append((False, e))
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still blocked after {seconds} s"
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
 
 
 @pytest.fixture
@@ -89,9 +72,9 @@ def test_index_cli_skips_pipes_sockets_and_devices(weird_folder, model_dir, tmp_
 def test_load_image_and_check_images_refuse_special_files(weird_folder):
     for name, kind in SPECIAL.items():
         with pytest.raises(ImageError, match=kind) as err:
-            _within(LIMIT_S, load_image, str(weird_folder / name))
+            within(LIMIT_S, load_image, str(weird_folder / name))
         assert err.value.path == str(weird_folder / name)
-    bad = _within(LIMIT_S, check_images, [str(weird_folder / n) for n in [*SPECIAL, "img001.png", "link.png"]])
+    bad = within(LIMIT_S, check_images, [str(weird_folder / n) for n in [*SPECIAL, "img001.png", "link.png"]])
     assert sorted(Path(p).name for p in bad) == sorted(SPECIAL)
     for p, reason in bad.items():
         assert SPECIAL[Path(p).name] in reason, reason
@@ -103,7 +86,7 @@ def test_dataset_reader_skips_and_reports_special_files(weird_folder, tmp_path):
     captions.write_text("image,caption\n" + "".join(f"{n},a picture called {n}\n" for n in names))
     report = tmp_path / "run"
     report.mkdir()
-    df = _within(LIMIT_S, load_table, DataConfig(captions=str(captions), cache=False), report, False)
+    df = within(LIMIT_S, load_table, DataConfig(captions=str(captions), cache=False), report, False)
     assert sorted(Path(p).name for p in df["path"].unique()) == ["img000.png", "img001.png", "img002.png",
                                                                  "link.png"]
     with open(report / "skipped.csv", newline="") as f:
@@ -117,7 +100,7 @@ def test_dataset_reader_skips_and_reports_special_files(weird_folder, tmp_path):
     row = df.index[df["image"] == "img001.png"][0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, caption, _ = _within(LIMIT_S, ds.__getitem__, row)
+        _, caption, _ = within(LIMIT_S, ds.__getitem__, row)
     assert caption != "a picture called img001.png"
     assert any("named pipe" in str(w.message) for w in caught)
 
@@ -125,9 +108,9 @@ def test_dataset_reader_skips_and_reports_special_files(weird_folder, tmp_path):
 @pytest.mark.parametrize("name", ["fifo.jpg", "zero.jpg", "sock.png"])
 def test_captions_and_split_files_that_are_not_regular_files(weird_folder, name):
     with pytest.raises(DataError, match=f"captions file {weird_folder / name}: not a regular file"):
-        _within(LIMIT_S, read_captions, weird_folder / name)
+        within(LIMIT_S, read_captions, weird_folder / name)
     with pytest.raises(DataError, match=f"split file {weird_folder / name}: not a regular file"):
-        _within(LIMIT_S, read_name_list, weird_folder / name)
+        within(LIMIT_S, read_name_list, weird_folder / name)
 
 
 def test_pipe_swapped_in_after_the_stat_does_not_block_the_open(weird_folder, monkeypatch):
@@ -135,7 +118,7 @@ def test_pipe_swapped_in_after_the_stat_does_not_block_the_open(weird_folder, mo
     # from waiting for a writer, and fstat on the descriptor refuses it.
     monkeypatch.setattr(bounded_read, "check_regular", lambda path: None)
     with pytest.raises(bounded_read.UnreadableFileError, match="named pipe") as err:
-        _within(LIMIT_S, bounded_read.read_file, weird_folder / "fifo.jpg", None, 0, None, LIMIT_S / 2)
+        within(LIMIT_S, bounded_read.read_file, weird_folder / "fifo.jpg", None, 0, None, LIMIT_S / 2)
     assert "not read within" not in str(err.value)   # refused at once, not after the time limit
 
 
@@ -154,11 +137,11 @@ def test_stalled_read_is_skipped_after_the_time_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(bounded_read, "READ_TIMEOUT_S", 0.3)
     try:
         with pytest.raises(ImageError, match=r"not read within 0.3 s") as err:
-            _within(LIMIT_S, load_image, str(stalled))
+            within(LIMIT_S, load_image, str(stalled))
         assert err.value.path == str(stalled)
-        assert "not read within 0.3 s" in _within(LIMIT_S, check_images, [str(stalled)])[str(stalled)]
+        assert "not read within 0.3 s" in within(LIMIT_S, check_images, [str(stalled)])[str(stalled)]
         # The stuck helper thread is left behind; the next read gets a fresh one and succeeds.
-        assert _within(LIMIT_S, load_image, str(good)).shape == (24, 24, 3)
+        assert within(LIMIT_S, load_image, str(good)).shape == (24, 24, 3)
     finally:
         release.set()
 
@@ -168,7 +151,7 @@ def test_oversized_file_is_refused_before_reading(tmp_path):
     with open(big, "wb") as f:
         f.truncate((1 << 30) + 1)   # sparse: no disk space, and nothing is read
     with pytest.raises(ImageError, match="more than the limit"):
-        _within(LIMIT_S, load_image, str(big))
+        within(LIMIT_S, load_image, str(big))
     assert "more than the limit" in check_images([str(big)])[str(big)]
 
 
@@ -183,7 +166,7 @@ def test_reads_work_in_forked_dataloader_workers(tmp_path):
     load_image(paths[0])   # the parent's helper thread exists before the fork
     ds = ImageDataset(paths, lambda a: torch.from_numpy(a).float())
     loader = DataLoader(ds, batch_size=2, num_workers=1, multiprocessing_context="fork")
-    batches = _within(60, list, loader)
+    batches = within(60, list, loader)
     assert [bool(ok) for _, _, oks in batches for ok in oks] == [True] * 4
 
 
