@@ -67,8 +67,8 @@ def run_forward(model_dir: str, batch: int, n_batches: int) -> dict:
 
 def run_index(model_dir: str, folder: str, limit: int, workers: int, out_dir: str) -> dict:
     import clip_mini
-    from clip_mini.image_files import scan_images
-    from clip_mini.index_build import sync_index
+    from clip_mini.retrieval.files import scan_images
+    from clip_mini.retrieval.build import sync_index
 
     files = scan_images(folder)[:limit]
     e = clip_mini.load(model_dir)
@@ -108,7 +108,7 @@ def run_stub(n_files: int, tmp: str) -> dict:
     import numpy as np
     from PIL import Image
 
-    from clip_mini.index_build import sync_index
+    from clip_mini.retrieval.build import sync_index
 
     folder = Path(tmp) / "stub_images"
     folder.mkdir()

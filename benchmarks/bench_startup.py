@@ -4,7 +4,7 @@
 
 Builds a model directory with the ``configs/tiny.yaml`` architecture (untrained: speed does not depend on the
 weights) and a synthetic index of ``rows`` random unit vectors with made-up paths, written through the real
-``clip_mini.index.commit``. Then times, each in a new process: a text query (numpy text tower, no torch), an
+``clip_mini.retrieval.index.commit``. Then times, each in a new process: a text query (numpy text tower, no torch), an
 image query (torch image tower), and for reference bare ``python -c 'import numpy'`` and ``import torch``.
 Writes ``benchmarks/results/startup.json``; the target is a text query under 2 s.
 """
@@ -38,7 +38,7 @@ def make_model(out: Path) -> Path:
 
 
 def make_index(out: Path, model_dir: Path, rows: int, image: Path) -> Path:
-    from clip_mini.index_format import commit, writer_lock
+    from clip_mini.retrieval.format import commit, writer_lock
     from clip_mini.manifest import read_manifest
 
     manifest = read_manifest(model_dir)

@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-__version__ = "0.1.0"
+from clip_mini.version import __version__  # noqa: E402
 
 
 def load(model_dir, device: str = "cpu", batch_size: int = 64):
@@ -35,7 +35,7 @@ def __getattr__(name):
 
         return Embedder
     if name == "EmbeddingIndex":
-        from clip_mini.index import EmbeddingIndex
+        from clip_mini.retrieval.index import EmbeddingIndex
 
         return EmbeddingIndex
     raise AttributeError(f"module 'clip_mini' has no attribute {name!r}")

@@ -7,12 +7,11 @@
     clip-mini attention --model runs/tiny/best photo.jpg --out attn.png
 
 Heavy libraries are imported inside the command that needs them: a text ``search`` never imports torch (see
-``clip_mini.query``). Errors raised by clip_mini for bad input print ``error: <message>`` and exit with status 2.
+``clip_mini.retrieval.query``). Errors raised by clip_mini for bad input print ``error: <message>`` and exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -138,11 +137,6 @@ def _train(argv: list[str]) -> int:
         return EXIT_USER_ERROR
     status = train_main(argv, prog="clip-mini train")
     return int(status or 0)
-
-
-def print_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2)
-    sys.stdout.write("\n")
 
 
 if __name__ == "__main__":

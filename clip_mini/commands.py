@@ -11,13 +11,14 @@ import os
 import sys
 from pathlib import Path
 
-from clip_mini.cli import print_json
-from clip_mini.index import EmbeddingIndex, EmbeddingIndexError
+from clip_mini.printing import print_json, print_results
+from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
 
 
 # -- index -----------------------------------------------------------------------------------------------------
 def cmd_index(args: argparse.Namespace) -> int:
-    from clip_mini.index_shards import merge_indexes, parse_shard
+    from clip_mini.retrieval.format import parse_shard
+    from clip_mini.retrieval.shards import merge_indexes
 
     progress = not args.quiet
     if args.merge is not None:
@@ -29,7 +30,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     shard, world = _shard_from(args.shard, parse_shard)
     images, captions, source = _index_inputs(args)
     import clip_mini
-    from clip_mini.index_build import sync_index
+    from clip_mini.retrieval.build import sync_index
 
     embedder = clip_mini.load(args.model, batch_size=args.batch_size)
     index = sync_index(args.out, embedder, images, captions=captions, prune=not args.add,
@@ -62,7 +63,7 @@ def _shard_from(text, parse_shard):
 
 
 def _index_inputs(args: argparse.Namespace):
-    from clip_mini.image_files import scan_images
+    from clip_mini.retrieval.files import scan_images
 
     if args.images is not None:
         images = scan_images(args.images)
@@ -90,23 +91,19 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise EmbeddingIndexError(f"index {args.index} does not record its model: pass --model DIR")
     if not Path(model_dir).is_dir():
         raise EmbeddingIndexError(f"model directory {model_dir} (used to build {args.index}) is gone: pass --model")
+    from clip_mini.retrieval.engine import QueryEngine
+
+    engine = QueryEngine.load(model_dir)
+    engine.check_index(index)
     if args.query is not None:
-        from clip_mini.manifest import read_manifest
-        from clip_mini.query import QUERY_FILES, NumpyTextEncoder
-
-        manifest = read_manifest(model_dir, verify=False, required=QUERY_FILES)   # full check in load() below
-        index.check_model(manifest["fingerprint"], f"model {model_dir}")
-        queries = NumpyTextEncoder.load(model_dir).encode_text([args.query])
+        queries = engine.encode_text([args.query])
     else:
-        import clip_mini
-        from clip_mini.embed import InputError
-
-        embedder = clip_mini.load(model_dir)
-        index.check_model(embedder.fingerprint, f"model {model_dir}")
         if not Path(args.image).is_file():
+            from clip_mini.embed import InputError
+
             what = "is a directory, not an image file" if Path(args.image).is_dir() else "not found"
             raise InputError(f"query image {what}: {args.image}")
-        queries = embedder.encode_image([args.image])
+        queries = engine.encode_image([args.image])
     scores, ids = index.search(queries, args.k, args.backend)
     hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
     results = [{"rank": r + 1, "score": round(s, 6), "path": index.items["path"][i],
@@ -120,18 +117,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         print_json({"query": args.query, "image": args.image, "index": str(index.path),
                     "model_fingerprint": index.fingerprint, "results": results})
     else:
-        _print_table(results)
+        print_results(results)
         if args.grid:
             print(f"grid: {args.grid}")
     return 0
-
-
-def _print_table(results: list[dict]) -> None:
-    with_captions = any(r["caption"] for r in results)
-    print(f"{'rank':>4}  {'score':>7}  path" + ("  caption" if with_captions else ""))
-    for r in results:
-        caption = f"  {r['caption'][:80]}" if with_captions else ""
-        print(f"{r['rank']:>4}  {r['score']:>7.4f}  {r['path']}{caption}")
 
 
 # -- eval ------------------------------------------------------------------------------------------------------

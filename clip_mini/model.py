@@ -118,7 +118,7 @@ class CLIPModel(nn.Module):
         """Write a complete model directory atomically; returns the fingerprint."""
         from safetensors.torch import save_file
 
-        from clip_mini import __version__
+        from clip_mini.version import __version__
 
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         with atomic_dir(out_dir) as tmp:

@@ -26,7 +26,7 @@ def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, work
 
     Unreadable files are left out (and printed), never embedded as a placeholder vector.
     """
-    from clip_mini.image_files import iter_image_features
+    from clip_mini.retrieval.files import iter_image_features
 
     feats, keep = [np.zeros((0, embedder.dim), np.float32)], [np.zeros(0, np.int64)]
     for idx, f, bad in iter_image_features(embedder, list(paths), batch_size, workers, precision, progress):
@@ -60,7 +60,7 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: str = "
                        progress: bool = True, precision: Optional[str] = None) -> dict:
     """Multi-caption recall@1/5/10 both ways, median rank and contrastive loss of a model on one split.
 
-    The split comes from the trainer's ``load_splits``, the pixels from its image cache (when ``data.cache`` is
+    The split comes from ``data.load_splits`` (as in the trainer), the pixels from its image cache (when ``data.cache`` is
     on) and eval transform, and the scores from its ``evaluate_model``, run at the trainer's precision and batch
     size, so for the run's own model and config the numbers equal the ones in its ``metrics.jsonl``. Unreadable
     images are left out with their captions (``n_dropped_images``, ``n_dropped_captions``).
@@ -78,8 +78,8 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: str = "
     import clip_mini
     from clip_mini.config import load_config
     from clip_mini.data import make_cache
-    from clip_mini.train.evaluation import evaluate_model
-    from clip_mini.train.inputs import load_splits
+    from clip_mini.evaluation import evaluate_model
+    from clip_mini.data import load_splits
 
     if split not in ("train", "val", "test"):
         raise EvalError(f"--split must be train, val or test, got {split!r}")
@@ -134,7 +134,7 @@ def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_c
         classes = sorted(df["caption"].unique())
         index = {c: i for i, c in enumerate(classes)}
         return classes, df["path"].tolist(), [index[c] for c in df["caption"]]
-    from clip_mini.image_files import scan_images
+    from clip_mini.retrieval.files import scan_images
 
     classes = [ln.strip() for ln in labels.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if images is None:

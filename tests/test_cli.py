@@ -204,7 +204,7 @@ def test_torchrun_shards_then_merge(model_dir, image_folder, tmp_path):
            "--quiet"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    from clip_mini.index import EmbeddingIndex
+    from clip_mini.retrieval.index import EmbeddingIndex
 
     merged = EmbeddingIndex.load(out)
     assert len(merged) == 12 and merged.items["path"] == sorted(merged.items["path"])

@@ -141,7 +141,7 @@ def split_with_bad_image(tmp_path_factory):
 @pytest.mark.filterwarnings("ignore:skipping unreadable image")
 def test_unreadable_image_is_dropped_with_its_captions(split_with_bad_image, capsys):
     from clip_mini.data import build_eval_transform
-    from clip_mini.train.evaluation import drop_unreadable, evaluate_model
+    from clip_mini.evaluation import drop_unreadable, evaluate_model
 
     model, df, bad = split_with_bad_image
     transform = build_eval_transform(model.preprocess)
@@ -158,7 +158,7 @@ def test_unreadable_image_is_dropped_with_its_captions(split_with_bad_image, cap
 
 def test_precomputed_tower_features_drop_unreadable_images_too(split_with_bad_image):
     from clip_mini.data import build_eval_transform, load_image
-    from clip_mini.train.evaluation import evaluate_model
+    from clip_mini.evaluation import evaluate_model
 
     model, df, _ = split_with_bad_image
     transform = build_eval_transform(model.preprocess)

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import clip_mini
-from clip_mini.index import EmbeddingIndex, EmbeddingIndexError
-from clip_mini.index_format import writer_lock
-from clip_mini.image_files import scan_images
-from clip_mini.index_build import _Work
-from clip_mini.index_shards import merge_indexes
+from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
+from clip_mini.retrieval.format import writer_lock
+from clip_mini.retrieval.files import scan_images
+from clip_mini.retrieval.build import _Work
+from clip_mini.retrieval.shards import merge_indexes
 
 from conftest import write_images
 

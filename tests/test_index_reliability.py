@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import clip_mini
-from clip_mini.index import EmbeddingIndex
-from clip_mini.image_files import scan_images
+from clip_mini.retrieval.index import EmbeddingIndex
+from clip_mini.retrieval.files import scan_images
 
 ROOT = Path(__file__).resolve().parents[1]
 # SIGKILL trials per crash test: a few in CI, many with scripts/crash_trials.sh
@@ -21,8 +21,8 @@ KILL_TRIALS = int(os.environ.get("CLIP_MINI_KILL_TRIALS", "2"))
 SLOW_BUILD = """
 import sys, time
 import clip_mini
-from clip_mini.index import EmbeddingIndex
-from clip_mini.image_files import scan_images
+from clip_mini.retrieval.index import EmbeddingIndex
+from clip_mini.retrieval.files import scan_images
 model_dir, folder, out = sys.argv[1:4]
 embedder = clip_mini.load(model_dir)
 encode = embedder.model.encode_image
@@ -36,7 +36,7 @@ EmbeddingIndex.build(out, embedder, scan_images(folder), batch_size=2, flush_eve
 READER = """
 import sys, time
 import numpy as np
-from clip_mini.index import EmbeddingIndex
+from clip_mini.retrieval.index import EmbeddingIndex
 path, reference, stop = sys.argv[1:4]
 ref = EmbeddingIndex.load(reference)
 row = {p: i for i, p in enumerate(ref.items["path"])}

@@ -412,7 +412,7 @@ def test_ten_thousand_word_caption_is_truncated(base, tmp_path, capsys):
     argv, _ = _index_data(tmp_path, base, "captions.csv", CSV_OK_HEADER + f"img000.png,{words}\nimg001.png,a b\n")
     rc, err = _run(argv, capsys)
     assert rc == 0, err
-    from clip_mini.index import EmbeddingIndex
+    from clip_mini.retrieval.index import EmbeddingIndex
 
     captions = EmbeddingIndex.load(tmp_path / "idx").items["caption"]
     assert words in captions
@@ -505,7 +505,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def test_index_on_full_disk_keeps_previous_index(base, tmp_path, capsys, disk_full):
-    from clip_mini.index import EmbeddingIndex
+    from clip_mini.retrieval.index import EmbeddingIndex
 
     index = tmp_path / "index"
     shutil.copytree(base["index"], index)

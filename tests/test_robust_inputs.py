@@ -63,7 +63,7 @@ def test_index_cli_skips_pipes_sockets_and_devices(weird_folder, model_dir, tmp_
     assert set(skipped) == set(SPECIAL), skipped
     for name, kind in SPECIAL.items():
         assert kind in skipped[name], skipped
-    from clip_mini.index import EmbeddingIndex
+    from clip_mini.retrieval.index import EmbeddingIndex
 
     indexed = sorted(Path(p).name for p in EmbeddingIndex.load(out).items["path"])
     assert indexed == ["img000.png", "img001.png", "img002.png", "link.png"]   # a link to a file is a file

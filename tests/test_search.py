@@ -123,7 +123,7 @@ def _precision_recall(index, objects, colour, shape, query, k=10) -> tuple[float
 
 @pytest.fixture(scope="module")
 def heldout_index(trained_model_dir, heldout_images, tmp_path_factory):
-    from clip_mini.index import EmbeddingIndex
+    from clip_mini.retrieval.index import EmbeddingIndex
 
     return EmbeddingIndex.build(tmp_path_factory.mktemp("indexes") / "heldout", trained_model_dir, heldout_images,
                                 progress=False)
@@ -155,7 +155,7 @@ def test_compositional_split_pairs_never_seen_in_training(trained_model_dir, sha
     from clip_mini.cli import main
     from clip_mini.data import read_captions
     from clip_mini.data.synthetic import HELD_OUT
-    from clip_mini.index import EmbeddingIndex
+    from clip_mini.retrieval.index import EmbeddingIndex
 
     folder = tmp_path / "images"
     shutil.copytree(heldout_images, folder)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import clip_mini
-from clip_mini.query import NumpyTextEncoder, QueryEncoderError
+from clip_mini.retrieval.query import NumpyTextEncoder, QueryEncoderError
 
 from conftest import make_model_dir
 

@@ -25,7 +25,7 @@ def test_mean_pooling_ignores_padding_and_differs_from_cls():
 
 
 def test_numpy_query_encoder_follows_the_pooling_of_the_model(tmp_path):
-    from clip_mini.query import NumpyTextEncoder
+    from clip_mini.retrieval.query import NumpyTextEncoder
 
     cfg = load_config(None, ["model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
                              "model.text.hidden_dim=64", "model.embed_dim=16", "model.text.pooling=mean",

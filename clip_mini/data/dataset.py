@@ -216,3 +216,16 @@ class OneCaptionPerImageSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def load_splits(cfg, report_dir: Optional[str | Path] = None, progress: bool = True
+                ) -> dict[str, pd.DataFrame]:
+    """Read and check ``cfg.data``'s captions (``skipped.csv`` into ``report_dir``), then split by image.
+
+    The trainer and ``clip-mini eval`` both call this, so they see the same splits.
+    """
+    from clip_mini.data.splits import split_by_image
+
+    d = cfg.data
+    df = load_table(d, report_dir=report_dir, progress=progress)
+    return split_by_image(df, val=d.val, test=d.test, seed=d.seed, val_list=d.val_list, test_list=d.test_list)

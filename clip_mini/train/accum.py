@@ -21,6 +21,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from clip_mini.precision import autocast  # noqa: F401  (re-exported: the trainer's modules import it here)
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -45,11 +47,6 @@ class FeatureModel(nn.Module):
                           else self.clip.project_image(tower_features))          # (B, E)
         text_features = self.clip.encode_text(input_ids, attention_mask)      # (B, E)
         return image_features, text_features, self.clip.scale()
-
-
-def autocast(device: torch.device, precision: str):
-    """bf16 autocast context for ``precision == "bf16"``, a no-op context for fp32."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def _rng_get(device: torch.device):

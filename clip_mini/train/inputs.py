@@ -19,16 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from clip_mini.config import Config, PreprocessConfig
-
-
-def load_splits(cfg: Config, report_dir: Optional[str | Path] = None, progress: bool = True
-                ) -> dict[str, pd.DataFrame]:
-    """Read and check the captions (``skipped.csv`` into ``report_dir``), then split by image."""
-    from clip_mini.data import load_table, split_by_image
-
-    d = cfg.data
-    df = load_table(d, report_dir=report_dir, progress=progress)
-    return split_by_image(df, val=d.val, test=d.test, seed=d.seed, val_list=d.val_list, test_list=d.test_list)
+from clip_mini.data.dataset import load_splits  # noqa: F401  (shared with clip-mini eval; re-exported)
 
 
 def make_image_cache(cfg: Config, pre: PreprocessConfig, splits: dict[str, pd.DataFrame]):

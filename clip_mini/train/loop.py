@@ -25,7 +25,7 @@ from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
                                    warn_config_changes)
 from clip_mini.train.distributed import all_min, barrier, cleanup, default_threads, init_distributed
-from clip_mini.train.evaluation import evaluate_model
+from clip_mini.evaluation import evaluate_model
 from clip_mini.train.inputs import build_train_inputs, load_splits, make_image_cache
 from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_table, write_curves
 from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, set_lr, set_train_mode

@@ -13,7 +13,7 @@ import torch
 
 from clip_mini.evaluate import retrieval_metrics
 from clip_mini.loss import clip_loss
-from clip_mini.train.accum import autocast
+from clip_mini.precision import autocast
 
 
 def _image_features(model, paths: list[str], transform, cache, batch_size: int, device: torch.device,

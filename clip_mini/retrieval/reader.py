@@ -1,42 +1,22 @@
-"""EmbeddingIndex: stored image embeddings plus their file table, searched exactly or with faiss.
+"""IndexReader: one generation of an index directory, opened read-only, searched exactly or with faiss.
 
-Index directory (format version 1)::
-
-    manifest.json           names the current generation's files; model fingerprint, dim, count, checksums
-    embeddings-<gen>.npy    (count, dim) float16, L2-normalised; row i belongs to items row i
-    items-<gen>.csv         path, size, mtime_ns, sha256, caption; sorted by path
-    faiss-<gen>.index       optional approximate index over the same rows
-    skipped.csv             images the last build could not embed, with the reason
-    .work/                  embeddings of an unfinished build (what a resumed build reuses)
-    .lock                   held by the one process allowed to write
-
-Readers never see a mix of two generations: data files are never changed once written, a writer publishes a
-generation by atomically replacing ``manifest.json``, and readers open exactly the files that manifest names.
-The previous generation's files are kept, so a reader holding the old manifest can still open them; if a reader
-is slower than two commits it finds a file gone, re-reads the manifest and tries again. The file format lives in
-``index_format``, building in ``index_build`` / ``index_shards``, the search back ends in ``search``.
-
-    from clip_mini import EmbeddingIndex
-    index = EmbeddingIndex.build("indexes/photos", "runs/tiny/best", "photos/")    # or .load("indexes/photos")
-    index.search_text("a dog running on grass", k=5)          # [(path, score), ...]
-    scores, ids = index.search(query_features, k=10)           # arrays, for any (Q, d) features
+What index builds need to read an index (``build``, ``shards``) without importing the public
+``EmbeddingIndex`` on top of them. The directory layout is described in ``clip_mini.retrieval.index``.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional
 
 import numpy as np
 
-from clip_mini.index_format import EmbeddingIndexError, read_items, read_manifest
 from clip_mini.io import sha256_file
+from clip_mini.retrieval.format import EmbeddingIndexError, read_items, read_manifest
 
 _OPEN_RETRIES = 5
-ImagesArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 
-class EmbeddingIndex:
+class IndexReader:
     """One generation of an index directory, opened read-only (embeddings are memory-mapped).
 
     Build or update with ``EmbeddingIndex.build`` / ``add`` / ``merge``; open with ``EmbeddingIndex.load``;
@@ -52,7 +32,7 @@ class EmbeddingIndex:
         return int(self.manifest["count"])
 
     def __repr__(self) -> str:
-        return f"EmbeddingIndex({str(self.path)!r}, count={len(self)}, dim={self.dim}, model={self.fingerprint})"
+        return f"{type(self).__name__}({str(self.path)!r}, count={len(self)}, dim={self.dim}, model={self.fingerprint})"
 
     @property
     def dim(self) -> int:
@@ -64,7 +44,7 @@ class EmbeddingIndex:
 
     # -- opening --------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, verify: bool = True) -> "EmbeddingIndex":
+    def load(cls, path: str | Path, verify: bool = True) -> "IndexReader":
         """Open the current generation of an index directory.
 
         Args:
@@ -90,7 +70,7 @@ class EmbeddingIndex:
         raise AssertionError("unreachable")
 
     @classmethod
-    def _open(cls, path: Path, manifest: dict, verify: bool) -> "EmbeddingIndex":
+    def _open(cls, path: Path, manifest: dict, verify: bool) -> "IndexReader":
         files = manifest["files"]
         if verify:
             for name in (files["embeddings"], files["items"]):
@@ -134,7 +114,7 @@ class EmbeddingIndex:
         Returns:
             ``scores`` (Q, k) float32 best first and ``ids`` (Q, k) int64 rows (-1 where faiss found fewer).
         """
-        from clip_mini import search as S
+        from clip_mini.retrieval import search as S
 
         if backend not in ("auto", "exact", "faiss"):
             raise EmbeddingIndexError(f"unknown search backend {backend!r} (use auto, exact or faiss)")
@@ -152,7 +132,7 @@ class EmbeddingIndex:
 
     def faiss_index(self, kind: str = "hnsw"):
         """The stored faiss index (checksum-verified), or one built in memory over these rows if none is stored."""
-        from clip_mini import search as S
+        from clip_mini.retrieval import search as S
 
         if self._faiss is None:
             name = self.manifest["files"].get("faiss")
@@ -163,82 +143,3 @@ class EmbeddingIndex:
                     raise EmbeddingIndexError(f"{self.path / name} is corrupt: its sha256 does not match manifest")
                 self._faiss = S.load_faiss(self.path / name)
         return self._faiss
-
-    # -- convenience: queries by text or image, results as (path, score) -------------------------------------
-    def search_text(self, text: str, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
-                    ) -> list[tuple[str, float]]:
-        """Ranked ``(path, score)`` for a text query, embedded by the index's model (torch-free, see ``query``)."""
-        from clip_mini.query import NumpyTextEncoder
-
-        encoder = NumpyTextEncoder.load(self._model_dir(model_dir))
-        self.check_model(encoder.fingerprint, f"model {self._model_dir(model_dir)}")
-        return self._hits(*self.search(encoder.encode_text([text]), k, backend))
-
-    def search_image(self, image: Any, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
-                     ) -> list[tuple[str, float]]:
-        """Ranked ``(path, score)`` for an image query (a path, PIL image or array)."""
-        import clip_mini
-
-        embedder = clip_mini.load(self._model_dir(model_dir))
-        self.check_model(embedder.fingerprint, f"model {self._model_dir(model_dir)}")
-        return self._hits(*self.search(embedder.encode_image([image]), k, backend))
-
-    def _model_dir(self, model_dir: Optional[str | Path]) -> Path:
-        model_dir = model_dir or self.manifest.get("model_dir")
-        if not model_dir:
-            raise EmbeddingIndexError(f"index {self.path} does not record its model: pass model_dir")
-        return Path(model_dir)
-
-    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[tuple[str, float]]:
-        return [(self.items["path"][i], float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
-
-    # -- writing (see index_build and index_shards) ---------------------------------------------------------
-    @classmethod
-    def build(cls, path: str | Path, model, images: ImagesArg, captions: Optional[dict] = None,
-              **kwargs) -> "EmbeddingIndex":
-        """Make the index at ``path`` hold exactly ``images``: incremental and resumable.
-
-        Args:
-            path: index directory.
-            model: a model directory, or an ``Embedder`` from ``clip_mini.load``.
-            images: a folder (searched recursively) or a list of image files.
-            captions: optional ``{path: caption}`` stored with the rows.
-            **kwargs: see ``index_build.sync_index`` (batch_size, workers, precision, faiss, shard, ...).
-        """
-        from clip_mini.index_build import sync_index
-
-        embedder, kwargs = _embedder(model, kwargs)
-        return sync_index(path, embedder, _image_list(images), captions=captions, prune=True, **kwargs)
-
-    def add(self, model, images: ImagesArg, captions: Optional[dict] = None, **kwargs) -> "EmbeddingIndex":
-        """Embed new or changed ``images`` and commit them beside the existing rows; returns the updated index."""
-        from clip_mini.index_build import sync_index
-
-        embedder, kwargs = _embedder(model, kwargs)
-        return sync_index(self.path, embedder, _image_list(images), captions=captions, prune=False, **kwargs)
-
-    @classmethod
-    def merge(cls, path: str | Path, sources: Optional[Sequence[str | Path]] = None, **kwargs) -> "EmbeddingIndex":
-        """Merge shard indexes (default: all of ``path/shards/``) into ``path``; see ``index_shards.merge_indexes``."""
-        from clip_mini.index_shards import merge_indexes
-
-        return merge_indexes(path, sources, **kwargs)
-
-
-def _embedder(model, kwargs: dict):
-    if isinstance(model, (str, os.PathLike)):
-        import clip_mini
-
-        return clip_mini.load(model, batch_size=kwargs.get("batch_size", 64)), {"model_dir": str(model), **kwargs}
-    return model, kwargs
-
-
-def _image_list(images: ImagesArg) -> list[str]:
-    if isinstance(images, (str, os.PathLike)):
-        from clip_mini.image_files import scan_images
-
-        found = scan_images(images)
-        if not found:
-            raise EmbeddingIndexError(f"no images found under {images} (looked for .jpg, .png, .webp, ...)")
-        return found
-    return [os.fspath(p) for p in images]

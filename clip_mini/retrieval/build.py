@@ -8,7 +8,7 @@
 3. embed what is left in batches, appending chunks of float16 rows to ``.work/`` as they finish, so a build
    killed at any point resumes from its last chunk (chunks are keyed by content hash and model fingerprint);
 4. stream old rows and new chunks into a new ``embeddings-<gen>.npy`` (a memory map: memory stays bounded by
-   one block however large the index), then commit the generation (see ``clip_mini.index``).
+   one block however large the index), then commit the generation (see ``clip_mini.retrieval.index``).
 
 Rows are sorted by path, so incremental, resumed and sharded builds give the same index as one pass.
 """
@@ -23,10 +23,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from clip_mini.bounded_read import sha256_regular_file
-from clip_mini.image_files import iter_image_features
-from clip_mini.index import EmbeddingIndex
-from clip_mini.index_format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text
+from clip_mini.retrieval.files import iter_image_features
+from clip_mini.retrieval.format import (EmbeddingIndexError, commit, current_generation, in_shard, shard_dir,
+                                        writer_lock)
+from clip_mini.retrieval.reader import IndexReader
 
 _BLOCK = 16384   # rows copied per step when writing a generation
 
@@ -109,13 +110,13 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
                prune: bool = True, batch_size: int = 64, workers: int = 0, precision: str = "fp32",
                faiss: str = "auto", shard: Optional[tuple[int, int]] = None, flush_every: int = 1024,
                source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True
-               ) -> EmbeddingIndex:
+               ) -> IndexReader:
     """Bring the index at ``path`` up to date with ``images``.
 
     Args:
         path: index directory (created if absent). With ``shard=(i, n)`` the shard's own index
             ``path/shards/i-of-n`` is built from the images that fall into shard i; merge them with
-            ``index_shards.merge_indexes``.
+            ``shards.merge_indexes``.
         embedder: ``clip_mini.load(model_dir)``; its fingerprint must match an existing index's.
         images: image file paths (made absolute).
         captions: optional ``{path: caption}`` stored with the rows.
@@ -130,8 +131,6 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
     Raises:
         EmbeddingIndexError: no images, no usable image, an index built with another model, a busy index.
     """
-    from clip_mini.index_shards import in_shard, shard_dir
-
     path = Path(path) if shard is None else shard_dir(path, shard)
     images = sorted(set(os.path.abspath(p) for p in images))
     if shard is not None:
@@ -142,7 +141,7 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         raise EmbeddingIndexError("the embedder has no model fingerprint: load it from a saved model directory")
     captions = {os.path.abspath(k): v for k, v in (captions or {}).items()}
     with writer_lock(path):
-        old = EmbeddingIndex.load(path) if (path / "manifest.json").is_file() else None
+        old = IndexReader.load(path) if (path / "manifest.json").is_file() else None
         if old is not None:
             old.check_model(embedder.fingerprint, "the model used for indexing")
         rows, todo, skipped = _plan(old, images, captions, prune, progress)
@@ -167,8 +166,8 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         return index
 
 
-def _publish(path: Path, old: Optional[EmbeddingIndex], work: "_Work", rows: dict[str, list], dim: int, meta: dict,
-             kind: Optional[str], progress: bool) -> EmbeddingIndex:
+def _publish(path: Path, old: Optional[IndexReader], work: "_Work", rows: dict[str, list], dim: int, meta: dict,
+             kind: Optional[str], progress: bool) -> IndexReader:
     """Write the next generation from old rows and work chunks, then commit it."""
     sources = [old.embeddings if old is not None else np.zeros((0, dim), np.float16)] + work.chunks
     plan = [(0, r) if s == "old" else (1 + work.rows[h][0], work.rows[h][1])
@@ -176,10 +175,10 @@ def _publish(path: Path, old: Optional[EmbeddingIndex], work: "_Work", rows: dic
     generation = current_generation(path) + 1
     write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, dim)
     commit(path, generation, rows, meta, kind, progress)
-    return EmbeddingIndex.load(path, verify=False)
+    return IndexReader.load(path, verify=False)
 
 
-def _plan(old: Optional[EmbeddingIndex], images: list[str], captions: dict[str, str], prune: bool,
+def _plan(old: Optional[IndexReader], images: list[str], captions: dict[str, str], prune: bool,
           progress: bool) -> tuple[dict[str, list], dict[str, str], dict[str, str]]:
     """Decide each output row's source: ("old", row) or ("new", -1); returns rows, {sha: path} to embed, skipped."""
     stats, skipped = _stat(images)
@@ -248,14 +247,14 @@ def write_embeddings(out: Path, sources: list[np.ndarray], plan: list[tuple[int,
         del mm
 
 
-def _unchanged(old: EmbeddingIndex, rows: dict[str, list], kind: Optional[str]) -> bool:
+def _unchanged(old: IndexReader, rows: dict[str, list], kind: Optional[str]) -> bool:
     same_rows = [s for s in rows["source"]] == [("old", i) for i in range(len(old))]
     return same_rows and all(rows[c] == old.items[c] for c in ("path", "size", "mtime_ns", "caption")) \
         and kind == old.manifest.get("faiss_kind")
 
 
-def faiss_kind(faiss: str, old: Optional[EmbeddingIndex], count: int) -> Optional[str]:
-    from clip_mini import search as S
+def faiss_kind(faiss: str, old: Optional[IndexReader], count: int) -> Optional[str]:
+    from clip_mini.retrieval import search as S
 
     if faiss not in ("auto", "none", "hnsw", "ivf"):
         raise EmbeddingIndexError(f"faiss must be auto, none, hnsw or ivf, got {faiss!r}")

@@ -1,6 +1,6 @@
 """Image files: finding them in a folder, and embedding them in batches with a progress bar.
 
-Shared by index builds (``clip_mini.index_build``) and zero-shot evaluation (``clip_mini.model_eval``).
+Shared by index builds (``clip_mini.retrieval.build``) and zero-shot evaluation (``clip_mini.model_eval``).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from clip_mini.index_format import EmbeddingIndexError
+from clip_mini.retrieval.format import EmbeddingIndexError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 

@@ -1,6 +1,6 @@
 """The index directory format: manifest, items table, generations, atomic commits, the writer lock.
 
-See ``clip_mini.index`` for the layout. Everything here is plain files and numpy: no torch, no pandas, so opening
+See ``clip_mini.retrieval.index`` for the layout. Everything here is plain files and numpy: no torch, no pandas, so opening
 an index for a text search stays fast.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import os
 import re
 import time
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -98,7 +99,7 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
     atomic_write_text(path / items_name, items_csv(items))
     files = {"embeddings": emb_name, "items": items_name}
     if faiss_kind:
-        from clip_mini import search as S
+        from clip_mini.retrieval import search as S
 
         emb = np.load(path / emb_name, mmap_mode="r")
         files["faiss"] = f"faiss-{generation}.index"
@@ -143,3 +144,24 @@ def writer_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+# -- sharded builds: shard i of n indexes the files with crc32(path) % n == i, into path/shards/i-of-n ---------
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"1/4"`` -> (1, 4): shard 1 of 4 (0-based)."""
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise EmbeddingIndexError(f"--shard must look like i/n (e.g. 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise EmbeddingIndexError(f"--shard {text}: need 0 <= i < n")
+    return i, n
+
+
+def shard_dir(path: str | Path, shard: tuple[int, int]) -> Path:
+    return Path(path) / "shards" / f"{shard[0]}-of-{shard[1]}"
+
+
+def in_shard(path: str, shard: tuple[int, int]) -> bool:
+    # crc32 of the path: a file stays in its shard however the folder grows, and shards stay balanced.
+    return zlib.crc32(path.encode("utf-8", "surrogateescape")) % shard[1] == shard[0]

@@ -4,42 +4,21 @@
     clip-mini index --model M --images F --out IDX --shard 1/2     # on machine / process 1
     clip-mini index --out IDX --merge                              # IDX/shards/*-of-2 -> IDX
 
-A file's shard is ``crc32(path) % n``: stable as the folder grows, so each shard index stays incremental. Under
+A file's shard is ``crc32(path) % n`` (``format.in_shard``): stable as the folder grows, so each shard index stays incremental. Under
 ``torchrun`` the rank and world size pick the shard and rank 0 merges (see ``clip_mini.commands``).
 """
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 from typing import Optional, Sequence
 
-from clip_mini.index import EmbeddingIndex
-from clip_mini.index_format import EmbeddingIndexError, commit, current_generation, writer_lock
-from clip_mini.index_build import faiss_kind, write_embeddings
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"1/4"`` -> (1, 4): shard 1 of 4 (0-based)."""
-    try:
-        i, n = (int(v) for v in text.split("/"))
-    except ValueError:
-        raise EmbeddingIndexError(f"--shard must look like i/n (e.g. 0/4), got {text!r}") from None
-    if not 0 <= i < n:
-        raise EmbeddingIndexError(f"--shard {text}: need 0 <= i < n")
-    return i, n
-
-
-def shard_dir(path: str | Path, shard: tuple[int, int]) -> Path:
-    return Path(path) / "shards" / f"{shard[0]}-of-{shard[1]}"
-
-
-def in_shard(path: str, shard: tuple[int, int]) -> bool:
-    # crc32 of the path: a file stays in its shard however the folder grows, and shards stay balanced.
-    return zlib.crc32(path.encode("utf-8", "surrogateescape")) % shard[1] == shard[0]
+from clip_mini.retrieval.build import faiss_kind, write_embeddings
+from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
+from clip_mini.retrieval.reader import IndexReader
 
 
 def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = None, faiss: str = "auto",
-                  progress: bool = True) -> EmbeddingIndex:
+                  progress: bool = True) -> IndexReader:
     """Merge indexes of one model (default: every ``path/shards/i-of-n``) into ``path``, sorted by path.
 
     Raises:
@@ -52,7 +31,7 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
         if not sources or len(counts) != 1 or len(sources) != counts.pop():
             raise EmbeddingIndexError(f"{path / 'shards'}: need every shard i-of-n of one n to merge, found "
                                       f"{[p.name for p in sources]}")
-    parts = [EmbeddingIndex.load(s) for s in sources]
+    parts = [IndexReader.load(s) for s in sources]
     if not parts:
         raise EmbeddingIndexError("nothing to merge")
     for p in parts[1:]:
@@ -70,7 +49,7 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
         plan.append((k, r))
     with writer_lock(path):
         if (path / "manifest.json").is_file():
-            EmbeddingIndex.load(path, verify=False).check_model(parts[0].fingerprint, "the shards' model")
+            IndexReader.load(path, verify=False).check_model(parts[0].fingerprint, "the shards' model")
         generation = current_generation(path) + 1
         write_embeddings(path / f"embeddings-{generation}.npy", [p.embeddings for p in parts], plan, parts[0].dim)
         m0 = parts[0].manifest
@@ -78,4 +57,4 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
                 "source": m0.get("source"), "shard": None}
         kind = faiss_kind(faiss, None, len(plan))
         commit(path, generation, rows, meta, kind, progress)
-    return EmbeddingIndex.load(path, verify=False)
+    return IndexReader.load(path, verify=False)

@@ -1,0 +1,16 @@
+"""Retrieval: index directories of image embeddings, and searching them.
+
+Imports run one way (each module imports only those above it)::
+
+    search   exact and faiss back ends (numpy; faiss when installed)
+    format   the directory format: manifest, items table, generations, atomic commits, writer lock, shard layout
+    files    finding image files and embedding them in batches (the indexing loader)
+    reader   IndexReader: one generation opened read-only, searched
+    build    sync_index: make an index hold a list of images (incremental, resumable)
+    shards   merge_indexes: shard indexes into one
+    query    the torch-free text-query encoder
+    engine   QueryEngine: query embeddings (text or image) from a model directory, loaded once
+    index    EmbeddingIndex: the public class on top of all of them
+
+The CLI (``clip_mini.commands``) and ``clip-mini serve`` sit on top; nothing here imports the trainer.
+"""

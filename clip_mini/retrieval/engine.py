@@ -1,0 +1,61 @@
+"""QueryEngine: turns search queries (text or images) into embeddings with a saved model, loaded once.
+
+``clip-mini search``, ``EmbeddingIndex.search_text`` / ``search_image`` and ``clip-mini serve`` all embed their
+queries here, so they agree on what a query means. Each tower is loaded on first use and kept: a text search
+never pays for the image tower's imports, and a server pays for each tower once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from clip_mini.manifest import read_manifest
+from clip_mini.retrieval.query import QUERY_FILES
+
+
+class QueryEngine:
+    """Query embeddings from one model directory: ``encode_text(list[str])``, ``encode_image(list)``.
+
+    Both return (n, dim) float32 rows with unit L2 norm, comparable with the rows of an index built by the same
+    model (``fingerprint`` says which model that is).
+    """
+
+    def __init__(self, model_dir: str | Path, fingerprint: str, device: str = "cpu"):
+        self.model_dir, self.fingerprint, self.device = Path(model_dir), fingerprint, device
+        self._text = None
+        self._image = None
+
+    def __repr__(self) -> str:
+        return f"QueryEngine({str(self.model_dir)!r}, model={self.fingerprint})"
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu") -> "QueryEngine":
+        """Check that ``model_dir`` is a model directory (the full checksum check happens when a tower loads)."""
+        manifest = read_manifest(model_dir, verify=False, required=QUERY_FILES)
+        return cls(model_dir, manifest["fingerprint"], device)
+
+    def encode_text(self, texts: Sequence[str]) -> np.ndarray:
+        if self._text is None:
+            from clip_mini.retrieval.query import NumpyTextEncoder
+
+            self._text = NumpyTextEncoder.load(self.model_dir)
+        return _unit_rows(self._text.encode_text(list(texts)))
+
+    def encode_image(self, images: Sequence[Any]) -> np.ndarray:
+        """Images as paths, PIL images or arrays (decoded and preprocessed like the eval transform)."""
+        if self._image is None:
+            import clip_mini
+
+            self._image = clip_mini.load(self.model_dir, device=self.device)
+        return _unit_rows(self._image.encode_image(list(images)))
+
+    def check_index(self, index, name: Optional[str] = None) -> None:
+        """Refuse an index built by another model."""
+        index.check_model(self.fingerprint, name or f"model {self.model_dir}")
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)

@@ -1,0 +1,128 @@
+"""EmbeddingIndex: stored image embeddings plus their file table, searched exactly or with faiss.
+
+Index directory (format version 1)::
+
+    manifest.json           names the current generation's files; model fingerprint, dim, count, checksums
+    embeddings-<gen>.npy    (count, dim) float16, L2-normalised; row i belongs to items row i
+    items-<gen>.csv         path, size, mtime_ns, sha256, caption; sorted by path
+    faiss-<gen>.index       optional approximate index over the same rows
+    skipped.csv             images the last build could not embed, with the reason
+    .work/                  embeddings of an unfinished build (what a resumed build reuses)
+    .lock                   held by the one process allowed to write
+
+Readers never see a mix of two generations: data files are never changed once written, a writer publishes a
+generation by atomically replacing ``manifest.json``, and readers open exactly the files that manifest names.
+The previous generation's files are kept, so a reader holding the old manifest can still open them; if a reader
+is slower than two commits it finds a file gone, re-reads the manifest and tries again. The file format lives in
+``format``, reading in ``reader``, building in ``build`` / ``shards``, the search back ends in ``search`` and
+query embedding in ``engine`` (all in ``clip_mini.retrieval``).
+
+    from clip_mini import EmbeddingIndex
+    index = EmbeddingIndex.build("indexes/photos", "runs/tiny/best", "photos/")    # or .load("indexes/photos")
+    index.search_text("a dog running on grass", k=5)          # [(path, score), ...]
+    scores, ids = index.search(query_features, k=10)           # arrays, for any (Q, d) features
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from clip_mini.retrieval.build import sync_index
+from clip_mini.retrieval.engine import QueryEngine
+from clip_mini.retrieval.format import EmbeddingIndexError
+from clip_mini.retrieval.reader import IndexReader
+from clip_mini.retrieval.shards import merge_indexes
+
+ImagesArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+class EmbeddingIndex(IndexReader):
+    """An index directory: open with ``load``, build or update with ``build`` / ``add`` / ``merge``, query with
+    ``search`` (arrays), ``search_text`` / ``search_image`` (ranked ``(path, score)``).
+    """
+
+    @classmethod
+    def _wrap(cls, reader: IndexReader) -> "EmbeddingIndex":
+        return cls(reader.path, reader.manifest, reader.embeddings, reader.items)
+
+    # -- convenience: queries by text or image, results as (path, score) -------------------------------------
+    def search_text(self, text: str, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
+                    ) -> list[tuple[str, float]]:
+        """Ranked ``(path, score)`` for a text query, embedded by the index's model (torch-free, see ``engine``)."""
+        engine = self.engine(model_dir)
+        return self._hits(*self.search(engine.encode_text([text]), k, backend))
+
+    def search_image(self, image: Any, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
+                     ) -> list[tuple[str, float]]:
+        """Ranked ``(path, score)`` for an image query (a path, PIL image or array)."""
+        engine = self.engine(model_dir)
+        return self._hits(*self.search(engine.encode_image([image]), k, backend))
+
+    def engine(self, model_dir: Optional[str | Path] = None) -> QueryEngine:
+        """The query engine of ``model_dir`` (default: the index's model), loaded once and kept on the index."""
+        model_dir = self._model_dir(model_dir)
+        engines = self.__dict__.setdefault("_engines", {})
+        if model_dir not in engines:
+            engine = QueryEngine.load(model_dir)
+            engine.check_index(self)
+            engines[model_dir] = engine
+        return engines[model_dir]
+
+    def _model_dir(self, model_dir: Optional[str | Path]) -> Path:
+        model_dir = model_dir or self.manifest.get("model_dir")
+        if not model_dir:
+            raise EmbeddingIndexError(f"index {self.path} does not record its model: pass model_dir")
+        return Path(model_dir)
+
+    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[tuple[str, float]]:
+        return [(self.items["path"][i], float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+
+    # -- writing (see build and shards) ---------------------------------------------------------
+    @classmethod
+    def build(cls, path: str | Path, model, images: ImagesArg, captions: Optional[dict] = None,
+              **kwargs) -> "EmbeddingIndex":
+        """Make the index at ``path`` hold exactly ``images``: incremental and resumable.
+
+        Args:
+            path: index directory.
+            model: a model directory, or an ``Embedder`` from ``clip_mini.load``.
+            images: a folder (searched recursively) or a list of image files.
+            captions: optional ``{path: caption}`` stored with the rows.
+            **kwargs: see ``build.sync_index`` (batch_size, workers, precision, faiss, shard, ...).
+        """
+        embedder, kwargs = _embedder(model, kwargs)
+        return cls._wrap(sync_index(path, embedder, _image_list(images), captions=captions, prune=True, **kwargs))
+
+    def add(self, model, images: ImagesArg, captions: Optional[dict] = None, **kwargs) -> "EmbeddingIndex":
+        """Embed new or changed ``images`` and commit them beside the existing rows; returns the updated index."""
+        embedder, kwargs = _embedder(model, kwargs)
+        return self._wrap(sync_index(self.path, embedder, _image_list(images), captions=captions, prune=False,
+                                      **kwargs))
+
+    @classmethod
+    def merge(cls, path: str | Path, sources: Optional[Sequence[str | Path]] = None, **kwargs) -> "EmbeddingIndex":
+        """Merge shard indexes (default: all of ``path/shards/``) into ``path``; see ``shards.merge_indexes``."""
+        return cls._wrap(merge_indexes(path, sources, **kwargs))
+
+
+def _embedder(model, kwargs: dict):
+    if isinstance(model, (str, os.PathLike)):
+        import clip_mini
+
+        return clip_mini.load(model, batch_size=kwargs.get("batch_size", 64)), {"model_dir": str(model), **kwargs}
+    return model, kwargs
+
+
+def _image_list(images: ImagesArg) -> list[str]:
+    if isinstance(images, (str, os.PathLike)):
+        from clip_mini.retrieval.files import scan_images
+
+        found = scan_images(images)
+        if not found:
+            raise EmbeddingIndexError(f"no images found under {images} (looked for .jpg, .png, .webp, ...)")
+        return found
+    return [os.fspath(p) for p in images]
