@@ -1,10 +1,11 @@
-"""``clip-mini``: train, index, search, eval, attention.
+"""``clip-mini``: train, index, search, eval, attention, serve.
 
     clip-mini train --config configs/shapes.yaml [--set train.epochs=3] [--resume]
     clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos
     clip-mini search --index indexes/photos "a dog running on grass" -k 10 --grid hits.png
     clip-mini eval --model runs/tiny/best --data configs/shapes.yaml --split test
     clip-mini attention --model runs/tiny/best photo.jpg --out attn.png
+    clip-mini serve --index indexes/photos [--port 8000]
 
 Heavy libraries are imported inside the command that needs them: a text ``search`` never imports torch (see
 ``clip_mini.retrieval.query``). Errors raised by clip_mini for bad input print ``error: <message>`` and exit with status 2.
@@ -17,7 +18,7 @@ import sys
 from typing import Optional, Sequence
 
 EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
-COMMANDS = ("train", "index", "search", "eval", "attention")
+COMMANDS = ("train", "index", "search", "eval", "attention", "serve")
 
 
 def _int_at_least(low: int):
@@ -93,6 +94,10 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
                     help="mean over heads and layers, or attention rollout")
     at.add_argument("--alpha", type=float, default=0.5, help="heat map opacity")
     at.add_argument("--size", type=_count, default=448, help="longer side of the output in pixels (0: image size)")
+    if "serve" in commands:
+        from clip_mini.serve.server import add_arguments   # argparse only: the web stack loads when serve runs
+
+        add_arguments(sub.add_parser("serve", help="search service and web page over an index (HTTP)"))
     return p
 
 
@@ -103,6 +108,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "clip-mini", commands
         if argv and argv[0] == "train" and "train" in commands:
             return _train(argv[1:])
         args = build_parser(prog, commands).parse_args(argv)
+        if args.command == "serve":
+            from clip_mini.serve.server import cmd_serve
+
+            return cmd_serve(args)
         from clip_mini import commands as C
 
         return getattr(C, f"cmd_{args.command}")(args)

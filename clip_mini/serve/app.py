@@ -1,0 +1,294 @@
+"""The FastAPI application: search API, pictures by row id, the search page.
+
+    GET  /api/search?q=TEXT&k=K      text -> images
+    POST /api/search/image?k=K       image -> images (multipart field ``file``, or JSON ``{"image": base64}``)
+    GET  /thumb/ID?gen=G             JPEG thumbnail of row ID of generation G (default: the current one)
+    GET  /image/ID?gen=G             the original file of that row
+    GET  /api/attention/ID?gen=G     PNG of the ViT's CLS attention over that image
+    GET  /healthz, /api/info         liveness; model fingerprint, index size, generation, back end
+    GET  /                           the search page (``static/``: one HTML, one JS, one CSS file, nothing remote)
+
+Files are reachable only through a row id of the loaded index: no parameter is ever used as a path. Every error
+is JSON ``{"error": message}`` with a 4xx status; the model and index are loaded once, in ``create_app``.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from clip_mini.data.images import ImageError
+from clip_mini.embed import InputError
+from clip_mini.retrieval.engine import QueryEngine
+from clip_mini.retrieval.format import EmbeddingIndexError
+from clip_mini.serve.generations import Generation, IndexWatcher
+from clip_mini.serve.limits import BodyTooLarge, LimitBody
+from clip_mini.serve.pictures import AttentionRenderer, decode_upload, original, thumbnail_jpeg
+
+STATIC = Path(__file__).parent / "static"
+# The page may load only what this server serves: proof that nothing comes from a CDN, and no injected script runs.
+PAGE_CSP = "default-src 'self'; img-src 'self' blob: data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+
+
+@dataclass
+class ServeConfig:
+    """What ``create_app`` serves and its limits on requests."""
+
+    index: str
+    model: Optional[str] = None             # default: the model directory the index records
+    poll_s: float = 1.0                     # seconds between checks for a new index generation
+    verify: bool = True                     # sha256 of index files on every (re)load
+    max_query_chars: int = 1000             # captions are truncated to a few dozen tokens anyway
+    max_k: int = 100
+    max_upload_bytes: int = 10 << 20        # the image itself; a base64 JSON body may be 4/3 of this
+    allowed_hosts: list[str] = field(default_factory=lambda: ["*"])
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class Service:
+    """The loaded model and index, and the operations behind the routes (plain methods: testable without HTTP)."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        index_dir = Path(cfg.index)
+        # A bad index or model fails here, before the server binds, with the library's own message.
+        from clip_mini.retrieval.format import read_manifest
+
+        model_dir = cfg.model or read_manifest(index_dir).get("model_dir")
+        if not model_dir:
+            raise EmbeddingIndexError(f"index {index_dir} does not record its model: pass --model DIR")
+        self.model_dir = str(model_dir)
+        self.engine = QueryEngine.load(self.model_dir)
+        self.engine.encode_text(["warm up"])   # loads and checksums the text tower now, not on the first query
+        self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify)
+        self.attention = AttentionRenderer(self.model_dir)
+
+    # -- search ---------------------------------------------------------------------------------------------
+    def check_k(self, k: int) -> int:
+        if not 1 <= k <= self.cfg.max_k:
+            raise ApiError(400, f"k must be between 1 and {self.cfg.max_k}, got {k}")
+        return k
+
+    def search_text(self, q: Optional[str], k: int) -> dict:
+        if q is None or not q.strip():
+            raise ApiError(400, "the query q is empty: type some words describing the image")
+        if len(q) > self.cfg.max_query_chars:
+            raise ApiError(400, f"the query is {len(q)} characters long; the limit is {self.cfg.max_query_chars}")
+        self.check_k(k)
+        start = time.perf_counter()
+        try:
+            features = self.engine.encode_text([q])
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        return self._results(features, k, start, {"query": q})
+
+    def search_image(self, data: bytes, k: int, name: str) -> dict:
+        self.check_k(k)
+        if len(data) > self.cfg.max_upload_bytes:
+            raise ApiError(413, f"the image is {len(data)} bytes; the limit is {self.cfg.max_upload_bytes}")
+        start = time.perf_counter()
+        try:
+            features = self.engine.encode_image([decode_upload(data, name)])
+        except ImageError as e:
+            status = 413 if "pixels" in e.reason else 415 if e.reason.startswith("not an image") else 422
+            raise ApiError(status, str(e)) from None
+        except InputError as e:
+            raise ApiError(422, str(e)) from None
+        return self._results(features, k, start, {"query": None, "image": name})
+
+    def _results(self, features: np.ndarray, k: int, start: float, head: dict) -> dict:
+        gen = self.watcher.current   # one generation for the whole answer: ids, paths and scores agree
+        index = gen.index
+        scores, ids = index.search(features, k)
+        results = []
+        for rank, (i, s) in enumerate(((int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0), 1):
+            hit = {"rank": rank, "id": i, "path": index.items["path"][i], "score": round(s, 6)}
+            if index.items["caption"][i]:
+                hit["caption"] = index.items["caption"][i]
+            links = f"{i}?gen={gen.number}"
+            hit.update(thumb=f"/thumb/{links}", image=f"/image/{links}", attention=f"/api/attention/{links}")
+            results.append(hit)
+        return {**head, "k": k, "results": results, "generation": gen.number,
+                "took_ms": round(1000 * (time.perf_counter() - start), 3)}
+
+    # -- pictures by row id ---------------------------------------------------------------------------------
+    def row_path(self, row: int, gen: Optional[int]) -> str:
+        generation: Optional[Generation] = self.watcher.generation(gen)
+        if generation is None:
+            raise ApiError(410, f"index generation {gen} is not loaded (this server keeps the last two; now serving "
+                                f"{self.watcher.current.number}): search again")
+        n = len(generation.index)
+        if not 0 <= row < n:
+            raise ApiError(404, f"no image with id {row} in generation {generation.number} (ids are 0..{n - 1})")
+        return generation.index.items["path"][row]
+
+    def picture(self, kind: str, row: int, gen: Optional[int]) -> Response:
+        path = self.row_path(row, gen)
+        try:
+            if kind == "thumb":
+                return Response(thumbnail_jpeg(path), media_type="image/jpeg", headers=_CACHE)
+            if kind == "image":
+                data, media_type = original(path)
+                return Response(data, media_type=media_type, headers=_CACHE)
+            reason = self.attention.unavailable()
+            if reason:
+                raise ApiError(409, reason)
+            return Response(self.attention.png(path), media_type="image/png", headers=_CACHE)
+        except ImageError as e:   # the file changed or vanished since it was indexed
+            raise ApiError(404, f"image {row} cannot be read now: {e.reason}") from None
+
+    def info(self) -> dict:
+        gen = self.watcher.current
+        return {"model_dir": self.model_dir, "model_fingerprint": self.engine.fingerprint,
+                "index": str(gen.index.path), "index_size": len(gen.index), "dim": gen.index.dim,
+                "generation": gen.number, "loaded_at": gen.loaded_at, "reload_error": self.watcher.reload_error,
+                "backend": _backend_name(self.engine, gen), "limits": {
+                    "max_k": self.cfg.max_k, "max_query_chars": self.cfg.max_query_chars,
+                    "max_upload_bytes": self.cfg.max_upload_bytes}}
+
+
+_CACHE = {"Cache-Control": "private, max-age=3600"}   # safe: a (row, generation) pair never changes meaning
+
+
+def _backend_name(engine, gen: Generation) -> dict:
+    from clip_mini.retrieval import search as S
+
+    files = gen.index.manifest["files"]
+    exact = not ("faiss" in files and len(gen.index) >= S.FAISS_THRESHOLD and S.faiss_available())
+    return {"query_encoder": type(engine).__name__, "search": "exact" if exact else "faiss"}
+
+
+# -- the app ----------------------------------------------------------------------------------------------------
+def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
+    """Load the model and index (or use ``service``) and build the app; the watcher polls while the app runs."""
+    from contextlib import asynccontextmanager
+
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+    svc = service or Service(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        svc.watcher.start()
+        try:
+            yield
+        finally:
+            svc.watcher.stop()
+
+    app = FastAPI(title="clip-mini", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = svc
+    # Base64 JSON is 4/3 of the image; multipart adds a few headers.
+    app.add_middleware(LimitBody, max_bytes=cfg.max_upload_bytes * 4 // 3 + (64 << 10))
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=cfg.allowed_hosts)
+    _error_handlers(app)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def page():
+        return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_CSP})
+
+    @app.get("/healthz")
+    def healthz():
+        return {"ok": True, "generation": svc.watcher.current.number}
+
+    @app.get("/api/info")
+    def info():
+        return svc.info()
+
+    @app.get("/api/search")
+    def search(q: Optional[str] = None, k: int = 10):
+        return svc.search_text(q, k)
+
+    @app.post("/api/search/image")
+    async def search_image(request: Request, k: int = 10):
+        data, name, k = await _read_upload(request, k)
+        return await run_in_threadpool(svc.search_image, data, k, name)
+
+    @app.get("/thumb/{row}")
+    def thumb(row: int, gen: Optional[int] = None):
+        return svc.picture("thumb", row, gen)
+
+    @app.get("/image/{row}")
+    def image(row: int, gen: Optional[int] = None):
+        return svc.picture("image", row, gen)
+
+    @app.get("/api/attention/{row}")
+    def attention(row: int, gen: Optional[int] = None):
+        return svc.picture("attention", row, gen)
+
+    return app
+
+
+async def _read_upload(request: Request, k: int) -> tuple[bytes, str, int]:
+    """The image bytes of a multipart (field ``file``) or JSON (``{"image": base64, "k": K}``) request."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        form = await request.form(max_files=1, max_fields=8)
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise ApiError(400, "multipart upload needs a file field named 'file'")
+        return await upload.read(), upload.filename or "upload", k
+    if ctype == "application/json":
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("image"), str):
+            raise ApiError(400, 'JSON body must be {"image": "<base64 image>", "k": K}')
+        text = body["image"]
+        if text.startswith("data:"):   # a data URL as FileReader.readAsDataURL gives it
+            text = text.partition(",")[2]
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ApiError(400, f"image is not valid base64: {e}") from None
+        k = body.get("k", k)
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ApiError(400, f"k must be an integer, got {k!r}")
+        return data, str(body.get("name") or "upload")[:200], k
+    raise ApiError(415, f"send the image as multipart/form-data (field 'file') or application/json, not "
+                        f"{ctype or 'no content type'}")
+
+
+def _error_handlers(app: FastAPI) -> None:
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return error(e.status, e.message)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request, e: BodyTooLarge):
+        return error(413, str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request, e: RequestValidationError):
+        parts = [f"{'.'.join(str(x) for x in err.get('loc', ())[1:]) or 'request'}: {err.get('msg')}"
+                 for err in e.errors()]
+        return error(400, "; ".join(parts))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return error(e.status_code, str(e.detail))
+
+    @app.exception_handler(EmbeddingIndexError)
+    async def index_error(request, e: EmbeddingIndexError):
+        return error(400, str(e))

@@ -1,0 +1,125 @@
+"""The index a server answers from, swapped whole when a writer publishes a new generation.
+
+A writer (``clip-mini index --add``) publishes a generation by atomically replacing ``manifest.json`` (see
+``clip_mini.retrieval.format``). ``IndexWatcher`` notices the change with one ``stat`` of that file, opens the new
+generation completely (checksums verified, model fingerprint checked) and only then replaces its ``current``
+reference: one assignment, so a request that took ``current`` keeps a single consistent generation for its whole
+life, and requests never wait for a load. A generation that fails to open leaves the old one serving and is
+reported in ``reload_error`` (``/api/info``).
+
+Row ids are only meaningful within a generation (an added file shifts the rows after it), so the previous
+generation is kept too: a page that got ``/thumb/12?gen=3`` from a search just before a reload still gets the
+image it was shown.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from clip_mini.retrieval.format import EmbeddingIndexError
+from clip_mini.retrieval.index import EmbeddingIndex
+
+log = logging.getLogger("clip_mini.serve")
+KEEP_GENERATIONS = 2   # the current one and the one before it (what a writer also keeps on disk)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One fully opened generation of the index."""
+
+    index: EmbeddingIndex
+    stamp: tuple   # (inode, mtime_ns, size) of manifest.json when this generation was read
+    loaded_at: float
+
+    @property
+    def number(self) -> int:
+        return int(self.index.manifest["generation"])
+
+
+class IndexWatcher:
+    """Holds the current generation of one index directory and reloads it when the manifest changes.
+
+    Args:
+        path: index directory.
+        fingerprint: the query model's fingerprint; a generation built by another model is refused.
+        poll_s: seconds between manifest checks in the background thread (``start``); ``refresh`` checks now.
+        verify: check the data files' sha256 when opening a generation.
+    """
+
+    def __init__(self, path: str | Path, fingerprint: str, poll_s: float = 1.0, verify: bool = True):
+        self.path, self.fingerprint, self.poll_s, self.verify = Path(path), fingerprint, poll_s, verify
+        self.reload_error: Optional[str] = None
+        self._failed_stamp: Optional[tuple] = None
+        self._lock = threading.Lock()   # one reload at a time; readers never take it
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        first = self._open(self._stamp())   # raises: a server must not start on a bad index
+        self.current: Generation = first
+        self._recent: dict[int, Generation] = {first.number: first}
+
+    def _stamp(self) -> tuple:
+        st = os.stat(self.path / "manifest.json")
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _open(self, stamp: tuple) -> Generation:
+        index = EmbeddingIndex.load(self.path, verify=self.verify)
+        index.check_model(self.fingerprint, "the server's model")
+        return Generation(index, stamp, time.time())
+
+    def generation(self, number: Optional[int]) -> Optional[Generation]:
+        """The current generation (``number`` None) or a recent one by number; None once it has been dropped."""
+        if number is None:
+            return self.current
+        return self._recent.get(number)
+
+    def refresh(self) -> bool:
+        """Open and switch to a newly published generation, if any; returns whether the server switched."""
+        with self._lock:
+            try:
+                stamp = self._stamp()
+            except OSError as e:   # the manifest is replaced by rename, so it is never missing unless deleted
+                self.reload_error = f"cannot read {self.path / 'manifest.json'}: {e.strerror or e}"
+                return False
+            if stamp == self.current.stamp or stamp == self._failed_stamp:
+                return False
+            try:
+                new = self._open(stamp)
+            except EmbeddingIndexError as e:
+                self.reload_error, self._failed_stamp = str(e), stamp
+                log.warning("keeping generation %d: %s", self.current.number, e)
+                return False
+            self.reload_error, self._failed_stamp = None, None
+            if new.number == self.current.number:   # the same generation re-published (e.g. touched): keep rows
+                self.current = Generation(self.current.index, stamp, self.current.loaded_at)
+                return False
+            recent = {n: g for n, g in self._recent.items() if n != new.number}
+            recent[new.number] = new
+            self._recent = dict(sorted(recent.items())[-KEEP_GENERATIONS:])
+            self.current = new   # the swap: one reference assignment
+            log.info("now serving generation %d (%d images)", new.number, len(new.index))
+            return True
+
+    # -- background polling ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll, name="clip-mini-index-watcher", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.refresh()
+            except Exception as e:   # a bug here must not silently end reloading: log it and keep polling
+                self.reload_error = f"reload failed: {type(e).__name__}: {e}"
+                log.exception("index reload failed")

@@ -1,0 +1,126 @@
+"""What the server sends and receives as pictures: thumbnails, originals, uploaded queries, attention maps.
+
+Every decode goes through ``clip_mini.data.images`` (a fixed list of decoders, a pixel limit checked before
+decoding, size-capped reads of regular files only), so an indexed file swapped for something else, or an upload
+crafted as a decompression bomb, becomes an ``ImageError`` rather than a hung or exhausted server.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import os
+import threading
+from typing import Optional
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from clip_mini.bounded_read import UnreadableFileError, read_file
+from clip_mini.data.images import DEFAULT_MAX_FILE_BYTES, ImageError, load_image
+
+THUMB_PX = 256
+# Formats a browser shows as they are; an indexed TIFF or PPM is sent re-encoded as PNG. (Pillow's JPEG opener
+# returns MPO files, so MPO is a result here but not an opener name.)
+_BROWSER_TYPES = {"JPEG": "image/jpeg", "MPO": "image/jpeg", "PNG": "image/png", "GIF": "image/gif",
+                  "WEBP": "image/webp", "BMP": "image/bmp"}
+# Uploads: the formats a browser can send; never the full Pillow list (EPS would run Ghostscript).
+UPLOAD_FORMATS = ["JPEG", "PNG", "GIF", "WEBP", "BMP"]
+# 40 MP: any phone photo, and at most ~120 MB decoded per concurrent upload.
+UPLOAD_MAX_PIXELS = 40_000_000
+
+
+def _file_key(path: str) -> tuple:
+    st = os.stat(path)
+    return path, st.st_size, st.st_mtime_ns
+
+
+def thumbnail_jpeg(path: str) -> bytes:
+    """A JPEG at most ``THUMB_PX`` on its longer side (cached per file version: path, size, mtime)."""
+    try:
+        key = _file_key(path)
+    except OSError as e:
+        raise ImageError(path, f"cannot read: {e.strerror or e}") from None
+    return _thumbnail(key)
+
+
+@functools.lru_cache(maxsize=4096)   # ~10 KB each: at most ~40 MB
+def _thumbnail(key: tuple) -> bytes:
+    img = Image.fromarray(load_image(key[0]))
+    img.thumbnail((THUMB_PX, THUMB_PX), Image.Resampling.LANCZOS)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
+def original(path: str) -> tuple[bytes, str]:
+    """The indexed file's bytes and media type, checked to be an image; re-encoded as PNG if a browser can't
+    show its format."""
+    try:
+        data = read_file(path, max_bytes=DEFAULT_MAX_FILE_BYTES)[0]
+    except UnreadableFileError as e:
+        raise ImageError(path, e.reason) from None
+    except OSError as e:
+        raise ImageError(path, f"cannot read: {e.strerror or e}") from None
+    try:
+        with Image.open(io.BytesIO(data), formats=[f for f in _BROWSER_TYPES if f != "MPO"]) as im:
+            return data, _BROWSER_TYPES[im.format]
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
+        pass
+    buf = io.BytesIO()
+    Image.fromarray(load_image(path)).save(buf, format="PNG")   # raises ImageError if it is no image at all
+    return buf.getvalue(), "image/png"
+
+
+def decode_upload(data: bytes, name: str = "upload") -> Image.Image:
+    """An uploaded query image as an RGB PIL image (EXIF rotation applied, pixel count limited)."""
+    if not data:
+        raise ImageError(name, "empty upload (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as im:
+            return Image.fromarray(load_image(im, max_pixels=UPLOAD_MAX_PIXELS))
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise ImageError(name, "not an image (send " + ", ".join(UPLOAD_FORMATS) + ")") from None
+    except Image.DecompressionBombError as e:
+        raise ImageError(name, f"too many pixels ({e})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageError(name, f"cannot decode: {type(e).__name__}: {e}") from None
+
+
+class AttentionRenderer:
+    """PNG overlays of the ViT's CLS attention (mean over heads and layers), from the torch model, loaded on first
+    use (the search path never needs torch)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._embedder = None
+        self._lock = threading.Lock()
+
+    def _model(self):
+        with self._lock:
+            if self._embedder is None:
+                import clip_mini
+
+                self._embedder = clip_mini.load(self.model_dir)
+        return self._embedder
+
+    def unavailable(self) -> Optional[str]:
+        """Why this model has no attention maps (not a ViT), or None."""
+        backbone = self._model().model.visual.cfg.backbone
+        return None if backbone == "vit" else f"attention maps need a ViT image tower; this model uses {backbone}"
+
+    def png(self, path: str, size: int = 448) -> bytes:
+        from clip_mini.attention import attention_map
+        from clip_mini.viz import overlay_image
+
+        embedder = self._model()
+        image = load_image(path)
+        if embedder.model.preprocess.resize_mode == "center_crop":   # the patch grid covers the centre square
+            h, w = image.shape[:2]
+            s = min(h, w)
+            image = np.ascontiguousarray(image[(h - s) // 2:(h - s) // 2 + s, (w - s) // 2:(w - s) // 2 + s])
+        heat = attention_map(embedder.model, embedder.transform(image))
+        buf = io.BytesIO()
+        overlay_image(image, heat, size=size).save(buf, format="PNG")
+        return buf.getvalue()

@@ -1,0 +1,162 @@
+// clip-mini search page: text and image queries against /api/search, results as a keyboard-navigable grid.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const form = $("search-form"), input = $("q"), kSelect = $("k"), fileInput = $("image-file");
+const statusLine = $("status"), grid = $("results"), viewer = $("viewer");
+
+function setStatus(text, isError = false) {
+  statusLine.textContent = text;
+  statusLine.classList.toggle("error", isError);
+}
+
+async function callApi(url, options) {
+  let response;
+  try {
+    response = await fetch(url, options);
+  } catch (err) {
+    throw new Error(`the server cannot be reached (${err.message})`);
+  }
+  const body = await response.json().catch(() => ({ error: `HTTP ${response.status}` }));
+  if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
+  return body;
+}
+
+function render(answer, what) {
+  grid.replaceChildren();
+  for (const hit of answer.results) {
+    const link = document.createElement("a");
+    link.href = hit.image;
+    link.className = "hit";
+    link.dataset.rank = hit.rank;
+    link.dataset.path = hit.path;
+    link.dataset.attention = hit.attention;
+    const img = document.createElement("img");
+    img.src = hit.thumb;
+    img.alt = hit.caption || hit.path.split("/").pop();
+    img.loading = "lazy";
+    const label = document.createElement("span");
+    label.className = "score";
+    label.textContent = `#${hit.rank}  ${hit.score.toFixed(3)}`;
+    const caption = document.createElement("span");
+    caption.className = "caption";
+    caption.textContent = hit.caption || hit.path.split("/").pop();
+    link.append(img, label, caption);
+    link.addEventListener("click", (event) => { event.preventDefault(); openViewer(hit); });
+    const item = document.createElement("li");
+    item.append(link);
+    grid.append(item);
+  }
+  grid.dataset.generation = answer.generation;
+  grid.dataset.query = what;
+  const n = answer.results.length;
+  setStatus(`${n} result${n === 1 ? "" : "s"} for ${what} in ${answer.took_ms.toFixed(1)} ms ` +
+            `(index generation ${answer.generation})`);
+}
+
+async function searchText(query) {
+  query = query.trim();
+  if (!query) { setStatus("Type a few words describing the image.", true); return; }
+  setStatus("searching…");
+  const params = new URLSearchParams({ q: query, k: kSelect.value });
+  history.replaceState(null, "", `/?${params}`);
+  try {
+    render(await callApi(`/api/search?${params}`), `“${query}”`);
+    $("query-image").hidden = true;
+  } catch (err) {
+    setStatus(err.message, true);
+  }
+}
+
+async function searchImage(file) {
+  if (!file) return;
+  setStatus(`searching with ${file.name}…`);
+  const body = new FormData();
+  body.append("file", file, file.name);
+  try {
+    const answer = await callApi(`/api/search/image?k=${encodeURIComponent(kSelect.value)}`,
+                                 { method: "POST", body });
+    const preview = $("query-preview");
+    if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
+    preview.src = URL.createObjectURL(file);
+    $("query-image").hidden = false;
+    render(answer, `image ${file.name}`);
+  } catch (err) {
+    setStatus(err.message, true);
+  }
+}
+
+function openViewer(hit) {
+  $("viewer-title").textContent = `#${hit.rank}  ${hit.path.split("/").pop()}  (score ${hit.score.toFixed(3)})`;
+  $("viewer-image").src = hit.image;
+  $("viewer-caption").textContent = hit.caption ? `${hit.caption} (${hit.path})` : hit.path;
+  const attention = $("viewer-attention");
+  attention.hidden = false;
+  $("attention-caption").textContent = "CLS attention (loading…)";
+  attention.onload = () => { $("attention-caption").textContent = "CLS attention"; };
+  attention.onerror = async () => {   // the server says why in JSON (e.g. not a ViT image tower)
+    attention.hidden = true;
+    const reason = await callApi(hit.attention).then(() => "unavailable", (err) => err.message);
+    $("attention-caption").textContent = `no attention map: ${reason}`;
+  };
+  attention.src = hit.attention;
+  viewer.showModal();
+}
+
+// Arrow keys move between results in reading order; rows are found from the laid-out positions.
+function moveFocus(key) {
+  const links = [...grid.querySelectorAll("a.hit")];
+  const at = links.indexOf(document.activeElement);
+  if (at < 0) return false;
+  const top = (el) => el.getBoundingClientRect().top;
+  const perRow = Math.max(1, links.filter((el) => top(el) === top(links[0])).length);
+  const step = { ArrowLeft: -1, ArrowRight: 1, ArrowUp: -perRow, ArrowDown: perRow }[key];
+  const next = links[Math.min(links.length - 1, Math.max(0, at + step))];
+  next.focus();
+  return true;
+}
+
+form.addEventListener("submit", (event) => { event.preventDefault(); searchText(input.value); });
+kSelect.addEventListener("change", () => { if (input.value.trim()) searchText(input.value); });
+fileInput.addEventListener("change", () => searchImage(fileInput.files[0]));
+
+document.addEventListener("keydown", (event) => {
+  if (viewer.open) return;   // Esc closes the dialog natively
+  const typing = ["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName);
+  if (event.key === "/" && !typing) {
+    event.preventDefault();
+    input.focus();
+    input.select();
+  } else if (event.key.startsWith("Arrow") && !typing && moveFocus(event.key)) {
+    event.preventDefault();
+  } else if (event.key === "ArrowDown" && document.activeElement === input) {
+    const first = grid.querySelector("a.hit");
+    if (first) { event.preventDefault(); first.focus(); }
+  }
+});
+
+// Drag and drop an image anywhere on the page.
+document.addEventListener("dragover", (event) => {
+  event.preventDefault();
+  document.body.classList.add("dragging");
+});
+document.addEventListener("dragleave", (event) => {
+  if (event.relatedTarget === null) document.body.classList.remove("dragging");
+});
+document.addEventListener("drop", (event) => {
+  event.preventDefault();
+  document.body.classList.remove("dragging");
+  const file = [...(event.dataTransfer?.files || [])].find((f) => f.type.startsWith("image/"));
+  if (file) searchImage(file);
+  else setStatus("drop an image file (PNG, JPEG, GIF, WebP or BMP)", true);
+});
+
+// A shared link (/?q=...&k=...) runs its search on load.
+const initial = new URLSearchParams(location.search);
+if (initial.get("k") && [...kSelect.options].some((o) => o.value === initial.get("k"))) {
+  kSelect.value = initial.get("k");
+}
+if (initial.get("q")) {
+  input.value = initial.get("q");
+  searchText(initial.get("q"));
+}
