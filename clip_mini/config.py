@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from clip_mini.errors import ClipMiniError
 
-class ConfigError(ValueError):
+
+class ConfigError(ClipMiniError, ValueError):
     """A config file, key or value is wrong; the message names the key."""
 
 
@@ -57,6 +59,11 @@ class TextConfig:
     # post-norm DistilBERT's [CLS] state barely depends on the caption at initialisation, so "mean" starts
     # learning from the caption's words at once (configs/tiny.yaml uses it).
     pooling: Literal["cls", "mean"] = "cls"
+    # "zero": a from-scratch [CLS] word embedding starts as minus position 0's embedding, so the embedded [CLS]
+    # state is exactly zero (the embedding LayerNorm maps zero to its bias, zero at init). Its query is then
+    # zero too and the first block's attention reads the caption out uniformly: [CLS] starts as a summary of the
+    # words rather than a constant. "random": BERT's usual N(0, 0.02). Pretrained weights replace either.
+    cls_init: Literal["zero", "random"] = "zero"
 
 
 @dataclass

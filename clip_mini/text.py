@@ -15,13 +15,14 @@ import torch
 import torch.nn as nn
 
 from clip_mini.config import TextConfig
+from clip_mini.errors import ClipMiniError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MINILM = "minilm"
 MINILM_SHAPE = dict(dim=384, n_layers=6, n_heads=12, hidden_dim=1536)
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ClipMiniError, ValueError):
     """A tokenizer directory is missing or unreadable."""
 
 
@@ -155,7 +156,7 @@ def build_tokenizer(cfg: TextConfig, captions: Iterable[str] | None = None):
 class TextEncoder(nn.Module):
     """DistilBERT pooled at [CLS] (position 0) or by the mean over unmasked tokens (``TextConfig.pooling``)."""
 
-    def __init__(self, cfg: TextConfig, vocab_size: int, pad_token_id: int = 0):
+    def __init__(self, cfg: TextConfig, vocab_size: int, pad_token_id: int = 0, cls_token_id: int | None = None):
         super().__init__()
         from transformers import DistilBertConfig, DistilBertModel
 
@@ -169,6 +170,14 @@ class TextEncoder(nn.Module):
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
         self.width = cfg.dim
+        if cfg.pooling == "cls" and cfg.cls_init == "zero" and cls_token_id is not None:
+            self.zero_cls_state(cls_token_id)
+
+    @torch.no_grad()
+    def zero_cls_state(self, cls_token_id: int) -> None:
+        """Make the embedded [CLS] state exactly zero (``TextConfig.cls_init``; [CLS] always sits at position 0)."""
+        emb = self.bert.embeddings
+        emb.word_embeddings.weight[cls_token_id] = -emb.position_embeddings.weight[0]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, dim)
