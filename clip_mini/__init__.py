@@ -1,10 +1,13 @@
 """clip_mini: a small CLIP-style image–text dual encoder (timm ViT + DistilBERT).
 
     import clip_mini
-    model = clip_mini.load("runs/tiny/best")
+    model = clip_mini.load("runs/tiny/best")                     # device="auto": CUDA when available, else CPU
     text_features = model.encode_text(["a red circle"])          # (1, d) float32, L2-normalised
-    image_features = model.encode_image(["photo.jpg"])           # (1, d)
+    image_features = model.encode_image("photo.jpg")             # (d,) for a single image
+
+Every error raised for bad input derives from ``clip_mini.ClipMiniError``.
 """
+import importlib
 import os
 
 # Nothing may reach the network at run time: the HF hub and albumentations' update check are switched off
@@ -14,31 +17,55 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from clip_mini.errors import ClipMiniError, InputError  # noqa: E402
 from clip_mini.version import __version__  # noqa: E402
 
 
-def load(model_dir, device: str = "cpu", batch_size: int = 64):
-    """Load a model directory as an ``Embedder`` with ``encode_text`` / ``encode_image``."""
+def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "fp32"):
+    """Load a model directory as an ``Embedder`` with ``encode_text`` / ``encode_image``.
+
+    Args:
+        model_dir: a model directory (``runs/<name>/best``).
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+        batch_size: default inputs per forward pass.
+        precision: "fp32", "bf16" or "fp16" autocast.
+    """
     from clip_mini.embed import Embedder
 
-    return Embedder.load(model_dir, device=device, batch_size=batch_size)
+    return Embedder.load(model_dir, device=device, batch_size=batch_size, precision=precision)
+
+
+# Lazy: `import clip_mini` stays cheap (the CLI's start-up time depends on it). name -> defining module.
+_LAZY = {
+    "CLIPModel": "clip_mini.model",
+    "Embedder": "clip_mini.embed",
+    "EmbeddingIndex": "clip_mini.retrieval.index",
+    "resolve_device": "clip_mini.devices",
+    # the error classes the README lists (and the rest of the package's), all subclasses of ClipMiniError
+    "ConfigError": "clip_mini.config",
+    "DataError": "clip_mini.data.readers",
+    "ImageError": "clip_mini.data.images",
+    "ModelDirError": "clip_mini.manifest",
+    "EmbeddingIndexError": "clip_mini.retrieval.format",
+    "OutputError": "clip_mini.io",
+    "EvalError": "clip_mini.model_eval",
+    "TokenizerError": "clip_mini.text",
+    "WeightsError": "clip_mini.vision",
+    "UnreadableFileError": "clip_mini.bounded_read",
+    "DeviceError": "clip_mini.devices",
+}
 
 
 def __getattr__(name):
-    # Lazy: `import clip_mini` stays cheap (the CLI's start-up time depends on it).
-    if name == "CLIPModel":
-        from clip_mini.model import CLIPModel
-
-        return CLIPModel
-    if name == "Embedder":
-        from clip_mini.embed import Embedder
-
-        return Embedder
-    if name == "EmbeddingIndex":
-        from clip_mini.retrieval.index import EmbeddingIndex
-
-        return EmbeddingIndex
-    raise AttributeError(f"module 'clip_mini' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'clip_mini' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
 
 
-__all__ = ["load", "CLIPModel", "Embedder", "EmbeddingIndex", "__version__"]
+def __dir__():
+    return sorted(__all__)
+
+
+__all__ = ["load", "ClipMiniError", "InputError", "__version__", *_LAZY]

@@ -27,6 +27,8 @@ import stat
 import threading
 from typing import Callable, Optional, TypeVar
 
+from clip_mini.errors import ClipMiniError
+
 # Generous for any local disk: a whole 1 GiB file reads in a few seconds even from a slow disk.
 READ_TIMEOUT_S = 60.0
 _IDLE_S = 10.0   # a helper thread with no work for this long ends itself
@@ -34,7 +36,7 @@ _IDLE_S = 10.0   # a helper thread with no work for this long ends itself
 T = TypeVar("T")
 
 
-class UnreadableFileError(OSError):
+class UnreadableFileError(ClipMiniError, OSError):
     """A file that must not or could not be read: not a regular file, too large, or too slow.
 
     An ``OSError`` (``strerror`` is the reason), so callers that already treat unreadable files as ``OSError``

@@ -1,31 +1,61 @@
 """Embedding functions over a saved model directory: ``clip_mini.load(dir).encode_text / encode_image``.
 
-Inputs are checked up front so a bad item is named before any work is done; outputs are (n, d) float32 arrays of
-L2-normalised rows computed in batches under ``torch.inference_mode`` with the directory's own preprocessing.
+Inputs are checked up front so a bad item is named before any work is done (or, with ``on_error="skip"``, left
+out and reported); outputs are (n, d) rows computed in batches under ``torch.inference_mode`` with the directory's
+own preprocessing, L2-normalised unless asked otherwise. Images are decoded and preprocessed on worker threads a
+batch ahead of the forward pass, as indexing does (Pillow and OpenCV release the GIL while they work).
 """
 from __future__ import annotations
 
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from clip_mini.devices import DeviceArg, resolve_device, to_device
+from clip_mini.errors import InputError
+from clip_mini.precision import autocast
 
-class InputError(ValueError):
-    """An input to ``encode_text`` / ``encode_image`` is unusable; the message names the item."""
+__all__ = ["Embedder", "InputError"]
+
+Output = Literal["numpy", "torch"]
+OnError = Literal["raise", "skip"]
+Features = Union[np.ndarray, torch.Tensor]
 
 
 class Embedder:
-    """Text and image embedding functions for one saved model."""
+    """Text and image embedding functions for one saved model (``clip_mini.load(model_dir)``).
 
-    def __init__(self, model, device: str = "cpu", batch_size: int = 64):
-        self.model = model.to(device).eval()
-        self.device = device
-        self.batch_size = batch_size
+    Args:
+        model: a ``CLIPModel``.
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+        batch_size: default inputs per forward pass (each call may override it).
+        precision: "fp32", "bf16" or "fp16" autocast for the towers (rows are renormalised in fp32).
+        model_dir: the directory the model came from (shown by ``repr``; recorded by indexes built with it).
+    """
+
+    def __init__(self, model, device: DeviceArg = "auto", batch_size: int = 64, precision: str = "fp32",
+                 model_dir: Optional[str | Path] = None):
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise InputError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).eval()
+        self.batch_size = _positive(batch_size, "batch_size")
+        self.precision = precision
+        self.model_dir = None if model_dir is None else str(model_dir)
         self._transform = None
         self.fingerprint = getattr(model, "fingerprint", None)
         self.dim = model.cfg.embed_dim
+
+    def __repr__(self) -> str:
+        v, t, p = self.model.cfg.vision, self.model.cfg.text, self.model.preprocess
+        return (f"Embedder({self.model_dir!r}, dim={self.dim}, image={v.backbone} {p.image_size}px, "
+                f"text={t.pooling}-pooled {t.max_length} tokens, device={str(self.device)!r}, "
+                f"precision={self.precision!r}, batch_size={self.batch_size}, model={self.fingerprint})")
 
     @property
     def transform(self):
@@ -38,58 +68,191 @@ class Embedder:
         return self._transform
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu", batch_size: int = 64) -> "Embedder":
+    def load(cls, model_dir: str | Path, device: DeviceArg = "auto", batch_size: int = 64,
+             precision: str = "fp32") -> "Embedder":
         from clip_mini.model import CLIPModel
 
-        return cls(CLIPModel.from_pretrained(model_dir), device=device, batch_size=batch_size)
+        device = resolve_device(device)   # before reading weights: a bad --device fails at once
+        return cls(CLIPModel.from_pretrained(model_dir), device=device, batch_size=batch_size, precision=precision,
+                   model_dir=model_dir)
 
+    # -- text ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def encode_text(self, captions: Sequence[str]) -> np.ndarray:
-        """Embed captions: (n, d) float32, rows L2-normalised."""
-        captions = _check_list(captions, "captions")
-        for i, c in enumerate(captions):
-            if not isinstance(c, str):
-                raise InputError(f"caption {i} is a {type(c).__name__}, not a string: {c!r:.80}")
-            if not c.strip():
-                raise InputError(f"caption {i} is empty")
+    def encode_text(self, texts: str | Sequence[str], batch_size: Optional[int] = None, normalize: bool = True,
+                    output: Output = "numpy", show_progress: bool = False, on_error: OnError = "raise"):
+        """Embed one caption or a list of them.
+
+        Args:
+            texts: a string, or a list of strings.
+            batch_size: captions per forward pass (default: the embedder's).
+            normalize: L2-normalise the rows (cosine similarity is then a dot product).
+            output: "numpy" (float32 array) or "torch" (float32 tensor on the embedder's device).
+            show_progress: a progress bar over batches.
+            on_error: "raise" an ``InputError`` naming the first unusable caption (not a string, or empty), or
+                "skip" it and report it.
+
+        Returns:
+            (n, d) features, or (d,) for a single string. With ``on_error="skip"``: ``(features, failed)`` where
+            ``features`` holds the rows of the usable captions in input order and ``failed`` maps each skipped
+            caption's position to the reason (a single unusable string gives ``(None, {0: reason})``).
+        """
+        single, items = _as_list(texts, "texts", str)
+        _check_on_error(on_error)
+        failed = {}
+        for i, c in enumerate(items):
+            reason = (f"is a {type(c).__name__}, not a string: {c!r:.80}" if not isinstance(c, str)
+                      else "is empty" if not c.strip() else None)
+            if reason is not None:
+                if on_error != "skip":
+                    raise InputError(f"caption {i} {reason}")
+                failed[i] = reason
+        ok = [i for i in range(len(items)) if i not in failed]
+        bs = self._batch_size(batch_size)
         out = []
-        for start in range(0, len(captions), self.batch_size):
-            tokens = self.model.tokenize(captions[start:start + self.batch_size])
-            feats = self.model.encode_text(tokens["input_ids"].to(self.device),
-                                           tokens["attention_mask"].to(self.device))
-            out.append(feats.float().cpu().numpy())
-        return np.concatenate(out).astype(np.float32, copy=False)
+        for start in _progress(range(0, len(ok), bs), show_progress, "embedding captions", len(ok), bs):
+            tokens = self.model.tokenize([items[i] for i in ok[start:start + bs]])
+            with autocast(self.device, self.precision):
+                feats = self.model.encode_text(to_device(tokens["input_ids"], self.device),
+                                               to_device(tokens["attention_mask"], self.device), normalize=False)
+            out.append(_finish(feats, normalize))
+        return _result(out, single, failed, on_error, output, self.dim, self.device)
 
+    # -- images ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def encode_image(self, images: Sequence[Any]) -> np.ndarray:
-        """Embed images given as paths, PIL images or numpy arrays: (n, d) float32, rows L2-normalised."""
+    def encode_image(self, images: Any, batch_size: Optional[int] = None, normalize: bool = True,
+                     output: Output = "numpy", show_progress: bool = False, on_error: OnError = "raise",
+                     workers: Optional[int] = None):
+        """Embed one image or a list of them, given as paths, PIL images or (H, W, 3) arrays.
+
+        Args:
+            images: one image, or a list of them.
+            batch_size: images per forward pass (default: the embedder's).
+            normalize: L2-normalise the rows.
+            output: "numpy" (float32 array) or "torch" (float32 tensor on the embedder's device).
+            show_progress: a progress bar over images.
+            on_error: "raise" an ``InputError`` naming the first image that cannot be decoded, or "skip" it.
+            workers: threads decoding and preprocessing the next batch while the model runs the current one
+                (default: up to 4, one per CPU core; 0 decodes in the calling thread).
+
+        Returns:
+            (n, d) features, or (d,) for a single image; with ``on_error="skip"``, ``(features, failed)`` as in
+            ``encode_text`` (``failed`` maps input position to the reason the image could not be used).
+        """
+        single, items = _as_list(images, "images", (str, os.PathLike, np.ndarray))
+        _check_on_error(on_error)
+        bs = self._batch_size(batch_size)
+        workers = min(4, os.cpu_count() or 1) if workers is None else workers
+        out, failed = [], {}
+        bar = _progress(None, show_progress, "embedding images", len(items), 1)
+        for pixels, bad in self._decoded_batches(items, bs, workers):
+            if bad and on_error != "skip":
+                i, reason = next(iter(bad.items()))
+                raise InputError(f"image {i}: {reason}")
+            failed.update(bad)
+            if pixels is not None:
+                with autocast(self.device, self.precision):
+                    feats = self.model.encode_image(to_device(pixels, self.device), normalize=False)
+                out.append(_finish(feats, normalize))
+            if bar is not None:
+                bar.update(len(bad) + (0 if pixels is None else len(pixels)))
+        if bar is not None:
+            bar.close()
+        return _result(out, single, failed, on_error, output, self.dim, self.device)
+
+    def _decoded_batches(self, items: list, bs: int, workers: int) -> Iterator[tuple[Optional[torch.Tensor], dict]]:
+        """Yield ``(pixels (b, 3, S, S) or None, {position: reason})`` per batch, decoding up to two batches ahead."""
+        def batch(start: int):
+            return [(i, self._prepare(items[i])) for i in range(start, min(start + bs, len(items)))]
+
+        def collect(prepared) -> tuple[Optional[torch.Tensor], dict]:
+            ok = [x for _, x in prepared if isinstance(x, torch.Tensor)]
+            bad = {i: x for i, x in prepared if not isinstance(x, torch.Tensor)}
+            pixels = torch.stack(ok) if ok else None
+            if pixels is not None and self.device.type == "cuda":
+                pixels = pixels.pin_memory()   # lets the copy to the GPU run asynchronously
+            return pixels, bad
+
+        starts = range(0, len(items), bs)
+        if workers <= 0:
+            for start in starts:
+                yield collect(batch(start))
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="clip_mini-decode") as pool:
+            pending: deque = deque()
+            for start in starts:
+                pending.append([(i, pool.submit(self._prepare, items[i]))
+                                for i in range(start, min(start + bs, len(items)))])
+                if len(pending) > 2:
+                    yield collect([(i, f.result()) for i, f in pending.popleft()])
+            while pending:
+                yield collect([(i, f.result()) for i, f in pending.popleft()])
+
+    def _prepare(self, item: Any) -> torch.Tensor | str:
+        """Decode and preprocess one image; the reason as a string when it cannot be used."""
         from clip_mini.data import ImageError, load_image
 
-        images = _check_list(images, "images")
-        out = []
-        for start in range(0, len(images), self.batch_size):
-            batch = []
-            for i, item in enumerate(images[start:start + self.batch_size], start):
-                try:
-                    batch.append(self.transform(load_image(item)))
-                except ImageError as e:
-                    raise InputError(f"image {i}: {e}") from None
-            pixels = torch.stack(batch).to(self.device)
-            out.append(self.model.encode_image(pixels).float().cpu().numpy())
-        return np.concatenate(out).astype(np.float32, copy=False)
+        try:
+            return self.transform(load_image(item))
+        except ImageError as e:
+            return str(e)
 
     def encode_pixels(self, pixels: torch.Tensor) -> np.ndarray:
         """Embed already-preprocessed pixels (B, 3, S, S)."""
-        with torch.inference_mode():
-            return self.model.encode_image(pixels.to(self.device)).float().cpu().numpy()
+        with torch.inference_mode(), autocast(self.device, self.precision):
+            feats = self.model.encode_image(to_device(pixels, self.device), normalize=False)
+        return _finish(feats, True).cpu().numpy()
+
+    def _batch_size(self, batch_size: Optional[int]) -> int:
+        return self.batch_size if batch_size is None else _positive(batch_size, "batch_size")
 
 
-def _check_list(items: Any, what: str) -> list:
-    if isinstance(items, (str, bytes, Path)) or not hasattr(items, "__len__"):
-        raise InputError(f"{what} must be a list, got {type(items).__name__}; wrap a single item as [item]")
-    if isinstance(items, np.ndarray) and what == "images":
-        raise InputError("images must be a list of arrays, not one array; wrap a single image as [array]")
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ("raise", "skip"):
+        raise InputError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+
+
+def _as_list(items: Any, what: str, single_types) -> tuple[bool, list]:
+    """``(was a single item, items as a list)``; a lone string, path, bytes or array counts as one item."""
+    if isinstance(items, single_types) or (what == "images" and not hasattr(items, "__len__")):
+        if isinstance(items, np.ndarray) and items.ndim == 4:
+            raise InputError("images is one 4-D array; pass a list of (H, W, 3) arrays")
+        return True, [items]
+    if not hasattr(items, "__len__"):
+        raise InputError(f"{what} must be a string or a list, got {type(items).__name__}")
     items = list(items)
     if not items:
         raise InputError(f"{what} is empty: nothing to encode")
-    return items
+    return False, items
+
+
+def _finish(feats: torch.Tensor, normalize: bool) -> torch.Tensor:
+    # fp32 before normalising: under bf16/fp16 autocast the rows would be off the unit sphere by ~1e-3.
+    feats = feats.float()
+    return torch.nn.functional.normalize(feats, dim=-1) if normalize else feats
+
+
+def _result(out: list[torch.Tensor], single: bool, failed: dict, on_error: str, output: str, dim: int,
+            device: torch.device):
+    if output not in ("numpy", "torch"):
+        raise InputError(f"output must be 'numpy' or 'torch', got {output!r}")
+    feats = torch.cat(out) if out else torch.zeros((0, dim), device=device)
+    result = feats if output == "torch" else feats.cpu().numpy().astype(np.float32, copy=False)
+    if single:
+        result = result[0] if len(result) else None
+    return (result, failed) if on_error == "skip" else result
+
+
+def _progress(iterable, show: bool, desc: str, total: int, per_step: int):
+    if not show:
+        return iterable
+    from tqdm import tqdm
+
+    if iterable is None:
+        return tqdm(total=total, desc=desc, unit="img")
+    return tqdm(iterable, desc=desc, unit="batch", total=(total + per_step - 1) // per_step)

@@ -15,8 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from clip_mini.errors import ClipMiniError
 
-class OutputError(OSError):
+
+class OutputError(ClipMiniError, OSError):
     """Writing an output failed; the earlier file at that path (if any) is intact."""
 
 

@@ -10,12 +10,13 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from clip_mini.errors import ClipMiniError
 from clip_mini.io import sha256_file
 
 MODEL_FILES = ("config.json", "model.safetensors", "preprocess.json")
 
 
-class ModelDirError(ValueError):
+class ModelDirError(ClipMiniError, ValueError):
     """A model directory is missing, incomplete or corrupt; the message names the file."""
 
 

@@ -13,10 +13,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from clip_mini.errors import ClipMiniError
+
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
 
 
-class EvalError(ValueError):
+class EvalError(ClipMiniError, ValueError):
     """An evaluation request cannot be served (empty split, unknown labels, no images); the message says why."""
 
 

@@ -5,5 +5,7 @@ import torch
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast context for ``precision == "bf16"``, a no-op context for fp32."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """Autocast for ``device``'s type: bf16 for ``"bf16"``, fp16 for ``"fp16"`` (GPUs without bf16; training pairs it
+    with a GradScaler), a no-op context for fp32."""
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=precision in ("bf16", "fp16"))

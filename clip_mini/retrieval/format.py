@@ -19,14 +19,18 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from clip_mini.errors import ClipMiniError
 from clip_mini.io import atomic_write_json, atomic_write_text, sha256_file
 
 FORMAT_VERSION = 1
 ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
+# Rows indexed from WebDataset shards add where the image sits (path is "shard#key"); a reader that predates
+# them stops at the header with "expected columns ...", so the format version stays.
+WDS_COLUMNS = ("shard", "key", "offset", "length")
 _DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|index)$")
 
 
-class EmbeddingIndexError(ValueError):
+class EmbeddingIndexError(ClipMiniError, ValueError):
     """An index directory is missing, corrupt, busy or built with another model, or a request on it is unusable."""
 
 
@@ -58,27 +62,30 @@ def read_items(path: Path) -> dict[str, list]:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            if header is None or tuple(header) != ITEM_COLUMNS:
+            names = tuple(header or ())
+            if names not in (ITEM_COLUMNS, ITEM_COLUMNS + WDS_COLUMNS):
                 raise EmbeddingIndexError(f"{path}: expected columns {','.join(ITEM_COLUMNS)}, got {header}")
             rows = list(reader)
     except UnicodeDecodeError as e:
         raise EmbeddingIndexError(f"{path} is corrupt: not UTF-8 ({e})") from None
-    cols: dict[str, list] = {c: [] for c in ITEM_COLUMNS}
+    cols: dict[str, list] = {c: [] for c in names}
     for i, row in enumerate(rows, start=2):
-        if len(row) != len(ITEM_COLUMNS):
-            raise EmbeddingIndexError(f"{path}: line {i}: {len(row)} fields, expected {len(ITEM_COLUMNS)}")
-        for c, v in zip(ITEM_COLUMNS, row):
+        if len(row) != len(names):
+            raise EmbeddingIndexError(f"{path}: line {i}: {len(row)} fields, expected {len(names)}")
+        for c, v in zip(names, row):
             cols[c].append(v)
-    cols["size"] = [int(v) for v in cols["size"]]
-    cols["mtime_ns"] = [int(v) for v in cols["mtime_ns"]]
+    for c in ("size", "mtime_ns", "offset", "length"):
+        if c in cols:
+            cols[c] = [int(v) for v in cols[c]]
     return cols
 
 
 def items_csv(items: dict[str, list]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(ITEM_COLUMNS)
-    writer.writerows(zip(*(items[c] for c in ITEM_COLUMNS)))
+    names = ITEM_COLUMNS + WDS_COLUMNS if "shard" in items else ITEM_COLUMNS
+    writer.writerow(names)
+    writer.writerows(zip(*(items[c] for c in names)))
     return buf.getvalue()
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Optional
 
 from clip_mini.config import Config, ConfigError
+from clip_mini.errors import ClipMiniError
 from clip_mini.train.logbook import metric_key
 
 
-class TrainError(RuntimeError):
+class TrainError(ClipMiniError, RuntimeError):
     """Training cannot start or cannot go on (the message says why and what to change)."""
 
 

@@ -1,0 +1,64 @@
+"""Which device to compute on: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
+
+Every entry point that runs a tower (``clip_mini.load``, ``index``, ``search``, ``eval``, ``attention``, ``serve``)
+resolves its ``device`` argument here, so they agree on what "auto" means and fail the same way when a GPU is asked
+for but absent. Loader settings that only help on a GPU (pinned memory, non-blocking copies) come from here too.
+"""
+from __future__ import annotations
+
+import re
+from typing import Union
+
+import torch
+
+from clip_mini.errors import ClipMiniError
+
+DeviceArg = Union[str, torch.device, None]
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+_SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+class DeviceError(ClipMiniError, ValueError):
+    """A device that does not exist here (e.g. ``cuda`` on a machine without a GPU) or is misspelled."""
+
+
+def resolve_device(device: DeviceArg = "auto") -> torch.device:
+    """``"auto"`` / ``None`` -> ``cuda`` when available, else ``cpu``; ``"cuda[:i]"`` checked to exist.
+
+    Raises:
+        DeviceError: unknown spelling, CUDA asked for but not available, or a GPU index out of range.
+    """
+    if isinstance(device, torch.device):
+        device = str(device)
+    spec = (device or "auto").strip().lower()
+    m = _SPEC.match(spec)
+    if m is None or (m.group(1) != "cuda" and m.group(2) is not None):
+        raise DeviceError(f"unknown device {device!r}: use {DEVICE_CHOICES}")
+    if m.group(1) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if m.group(1) == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {device!r} asked for, but CUDA is not available here (torch {torch.__version__}, "
+                          f"built for CUDA {torch.version.cuda}); use --device cpu or auto")
+    index = int(m.group(2) or 0)
+    if index >= torch.cuda.device_count():
+        raise DeviceError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def loader_options(device: torch.device) -> dict:
+    """DataLoader keyword arguments for feeding ``device``: pinned host memory when copying to a GPU."""
+    return {"pin_memory": device.type == "cuda"}
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy to ``device``; asynchronous from pinned memory to a GPU (the next batch decodes meanwhile)."""
+    return x.to(device, non_blocking=device.type == "cuda")
+
+
+def enable_tf32(device: torch.device) -> None:
+    """TF32 matmuls and convolutions on CUDA (Ampere and newer): ~fp32 accuracy for training, several times faster."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
