@@ -18,7 +18,7 @@ import sys
 from typing import Optional, Sequence
 
 EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
-COMMANDS = ("train", "index", "search", "eval", "attention", "serve")
+COMMANDS = ("train", "index", "search", "eval", "attention", "serve", "convert")
 
 
 def _int_at_least(low: int):
@@ -49,8 +49,12 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     src.add_argument("--images", help="folder of images (searched recursively)")
     src.add_argument("--data", help="config YAML whose data.captions images (and captions) are indexed")
     src.add_argument("--merge", nargs="*", metavar="SHARD", help="merge shard indexes (default: OUT/shards/*)")
+    src.add_argument("--shards", metavar="PATTERN", help="WebDataset shards, e.g. 'data/wds/{000000..000099}.tar'")
     ix.add_argument("--add", action="store_true", help="keep rows of files not listed now (default: mirror)")
     ix.add_argument("--shard", help="i/n: index only shard i of n (into OUT/shards/i-of-n); merge with --merge")
+    ix.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                    help="with --shards: embed on Ray (no ADDRESS: a local Ray instance; else join that cluster)")
+    ix.add_argument("--ray-workers", type=_positive_int, default=2, help="with --ray: embedding actors")
     ix.add_argument("--batch-size", type=_positive_int, default=64)
     ix.add_argument("--workers", type=_count, default=0, help="DataLoader workers decoding images")
     ix.add_argument("--bf16", action="store_true", help="bf16 autocast for the image tower (faster on CPUs with AMX)")
@@ -94,6 +98,20 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
                     help="mean over heads and layers, or attention rollout")
     at.add_argument("--alpha", type=float, default=0.5, help="heat map opacity")
     at.add_argument("--size", type=_count, default=448, help="longer side of the output in pixels (0: image size)")
+    if "convert" in commands:
+        cv = sub.add_parser("convert", help="write a captions file (or a config's split) as WebDataset shards")
+        cv.add_argument("--to-webdataset", action="store_true", required=True, help="the output format (tar shards)")
+        cv.add_argument("--out", required=True, help="output folder (replaced as a whole): 000000.tar, ...")
+        cin = cv.add_mutually_exclusive_group(required=True)
+        cin.add_argument("--captions", help="captions file: CSV/TSV, Flickr8k token file or COCO JSON")
+        cin.add_argument("--data", help="config YAML: convert its data section's splits")
+        cv.add_argument("--split", choices=["train", "val", "test"], help="with --data: only this split")
+        cv.add_argument("--image-root", help="with --captions: folder the image names are relative to")
+        cv.add_argument("--format", default="auto", choices=["auto", "csv", "tsv", "flickr8k", "coco"])
+        cv.add_argument("--shard-size", type=_positive_int, default=1000, help="samples per shard")
+        cv.add_argument("--seed", type=int, default=0, help="shuffle seed of the sample order")
+        cv.add_argument("--no-shuffle", action="store_true", help="keep the captions file's order")
+        cv.add_argument("--quiet", action="store_true")
     if "serve" in commands:
         from clip_mini.serve.server import add_arguments   # argparse only: the web stack loads when serve runs
 

@@ -25,6 +25,8 @@ def cmd_index(args: argparse.Namespace) -> int:
         index = merge_indexes(args.out, args.merge or None, faiss=args.faiss, progress=progress)
         print(f"merged into {index.path}: {len(index)} images")
         return 0
+    if args.shards is not None or args.ray is not None:
+        return _index_shards(args, progress)
     if args.model is None or (args.images is None and args.data is None):
         raise EmbeddingIndexError("index needs --model and one of --images FOLDER or --data CONFIG (or --merge)")
     shard, world = _shard_from(args.shard, parse_shard)
@@ -44,6 +46,46 @@ def cmd_index(args: argparse.Namespace) -> int:
             print(f"merged {shard[1]} shards into {merged.path}: {len(merged)} images")
         world.barrier()
         world.destroy_process_group()
+    return 0
+
+
+def _index_shards(args: argparse.Namespace, progress: bool) -> int:
+    """``index --shards PATTERN [--ray [ADDRESS]]``: WebDataset shards into an index (see retrieval.wds_source)."""
+    if args.shards is None or args.model is None:
+        raise EmbeddingIndexError("index --shards needs --model DIR and --shards PATTERN (--ray works with --shards)")
+    if args.shard is not None or args.add:
+        raise EmbeddingIndexError("--shard and --add are for image folders; --shards indexes shard by shard already")
+    import clip_mini
+    from clip_mini.data.webdataset import expand_shards
+    from clip_mini.retrieval.wds_source import index_shards
+
+    shards = expand_shards(args.shards)
+    embedder = clip_mini.load(args.model, batch_size=args.batch_size)
+    precision = "bf16" if args.bf16 else "fp32"
+    embed = None
+    if args.ray is not None:
+        from clip_mini.retrieval.ray_index import ray_embedder
+
+        embed = ray_embedder(args.model, None if args.ray == "local" else args.ray, args.ray_workers,
+                             args.batch_size, precision, progress)
+    index = index_shards(args.out, embedder, shards, batch_size=args.batch_size, precision=precision,
+                         faiss=args.faiss, source=args.shards, model_dir=args.model, progress=progress, embed=embed)
+    print(f"index {index.path}: {len(index)} images from {len(shards)} shards, generation "
+          f"{index.manifest['generation']}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from clip_mini.convert import convert_to_webdataset, table_for
+
+    if args.split is not None and args.data is None:
+        from clip_mini.data.readers import DataError
+
+        raise DataError("--split needs --data CONFIG")
+    stats = convert_to_webdataset(table_for(args), args.out, args.shard_size,
+                                  None if args.no_shuffle else args.seed, progress=not args.quiet)
+    print(f"wrote {stats['samples']} samples in {stats['shards']} shards: {stats['pattern']}"
+          + (f" ({len(stats['skipped'])} unreadable images skipped, see stats.json)" if stats["skipped"] else ""))
     return 0
 
 
@@ -111,8 +153,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.grid:
         from clip_mini.viz import result_grid
 
+        from clip_mini.retrieval.wds_source import hit_image_files
+
         title = f"{args.query!r}" if args.query is not None else f"image: {args.image}"
-        result_grid([h["path"] for h in results], [h["score"] for h in results], args.grid, title=title)
+        with hit_image_files(index.items, [i for i, _ in hits]) as files:   # shard rows: read back by offset
+            result_grid(files, [h["score"] for h in results], args.grid, title=title)
     if args.json:
         print_json({"query": args.query, "image": args.image, "index": str(index.path),
                     "model_fingerprint": index.fingerprint, "results": results})

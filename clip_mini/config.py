@@ -90,7 +90,7 @@ class PreprocessConfig:
 class DataConfig:
     captions: str = "data/shapes/captions.csv"   # CSV/TSV, Flickr8k token file or COCO captions JSON
     image_root: Optional[str] = None              # default: the captions file's folder (+ "images/" if present)
-    format: Literal["auto", "csv", "tsv", "flickr8k", "coco"] = "auto"
+    format: Literal["auto", "csv", "tsv", "flickr8k", "coco", "webdataset"] = "auto"
     sep: Optional[str] = None
     image_col: str = "image"
     caption_col: str = "caption"
@@ -108,6 +108,11 @@ class DataConfig:
     # squash: whole image to S x S; center_crop: shorter side to S, then the centre square (eval) / random crops
     # from the whole picture (training). Saved in the model's preprocess.json.
     resize_mode: Literal["squash", "center_crop"] = "squash"
+    # format: webdataset reads tar shards instead of `captions` (see data/README.md and clip_mini/data/wds_stream.py)
+    shards: Optional[str] = None        # brace pattern, e.g. data/wds/{000000..000099}.tar (pipe: and http work)
+    val_shards: Optional[str] = None    # default: the last shard of `shards` is held out for validation
+    samples: Optional[int] = None       # samples per epoch (a stream has no length)
+    shuffle_buffer: int = 1000          # samples mixed per loader stream
 
 
 @dataclass

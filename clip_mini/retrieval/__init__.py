@@ -8,6 +8,8 @@ Imports run one way (each module imports only those above it)::
     reader   IndexReader: one generation opened read-only, searched
     build    sync_index: make an index hold a list of images (incremental, resumable)
     shards   merge_indexes: shard indexes into one
+    wds_source  index_shards: WebDataset tar shards into an index (rows record shard, key, offset)
+    ray_index   the same embedding pass as a Ray Data pipeline (index --shards ... --ray)
     query    the torch-free text-query encoder
     engine   QueryEngine: query embeddings (text or image) from a model directory, loaded once
     index    EmbeddingIndex: the public class on top of all of them

@@ -19,7 +19,22 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from clip_mini.config import Config, PreprocessConfig
-from clip_mini.data.dataset import load_splits  # noqa: F401  (shared with clip-mini eval; re-exported)
+from clip_mini.data.dataset import load_splits as load_table_splits
+
+
+def load_splits(cfg: Config, report_dir=None, progress: bool = True) -> dict[str, pd.DataFrame]:
+    """The caption-table splits (shared with clip-mini eval); with ``data.format: webdataset`` a caption sample
+    and the extracted validation shards instead (``clip_mini.data.wds_stream.wds_splits``)."""
+    if cfg.data.format != "webdataset":
+        return load_table_splits(cfg, report_dir=report_dir, progress=progress)
+    if cfg.train.frozen_features:
+        from clip_mini.data.readers import DataError
+
+        raise DataError("train.frozen_features stores features per image of a table; it does not stream "
+                        "WebDataset shards (set train.frozen_features: 0)")
+    from clip_mini.data.wds_stream import wds_splits
+
+    return wds_splits(cfg.data, report_dir=report_dir, progress=progress)
 
 
 def make_image_cache(cfg: Config, pre: PreprocessConfig, splits: dict[str, pd.DataFrame]):
@@ -103,6 +118,14 @@ def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tok
     from clip_mini.data import CaptionCollate, CaptionDataset, OneCaptionPerImageSampler, build_train_transform
 
     augment = SeededAugment(build_train_transform(pre, cfg.data))
+    t = cfg.train
+    if cfg.data.format == "webdataset":   # streamed shards: the epoch is data.samples, split over the ranks
+        from clip_mini.data.wds_stream import WdsTrainInputs, split_shards
+
+        steps = cfg.data.samples // (world_size * t.batch_size * t.accum_freq)
+        return WdsTrainInputs(split_shards(cfg.data)[0], augment, CaptionCollate(tokenizer, max_length),
+                              t.batch_size, t.accum_freq, cfg.data.workers, steps, t.seed, rank, world_size,
+                              cfg.data.shuffle_buffer)
     dataset = EpochDataset(CaptionDataset(df, augment, cache=cache), augment, cfg.train.seed)
     sampler = OneCaptionPerImageSampler(df["image_id"].tolist(), seed=cfg.train.seed, rank=rank,
                                         world_size=world_size)
