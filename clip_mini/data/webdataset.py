@@ -45,7 +45,8 @@ def expand_shards(pattern: str) -> list[str]:
     """
     urls = _wds().shardlists.expand_urls(pattern) if pattern and pattern.strip() else []
     if not urls:
-        raise DataError(f"no shards in {pattern!r}: give a tar path or a brace pattern like data/{{000000..000009}}.tar")
+        raise DataError(f"no shards in {pattern!r}: give a tar path or a brace pattern like "
+                        "data/{000000..000009}.tar")
     missing = [u for u in urls if is_local(u) and not os.path.isfile(u)]
     if missing:
         raise DataError(f"{len(missing)} of {len(urls)} shards of {pattern!r} do not exist, e.g. {missing[0]}")
@@ -123,7 +124,8 @@ def iter_shard(url: str, report: Report, images: bool = True) -> Iterator[Sample
         return
     with stream:
         try:
-            tar = tarfile.open(fileobj=stream, mode="r|*")   # streaming: works for pipes and http as for files; gzip too
+            # streaming mode: the same for pipes, http and files (and gzip)
+            tar = tarfile.open(fileobj=stream, mode="r|*")
             for info in tar:
                 if not info.isreg():
                     continue

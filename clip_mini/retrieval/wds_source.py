@@ -67,7 +67,8 @@ class Parts:
         """Store one part: rows (ROW_FIELDS lists), their (n, d) features, shards it completes, skipped samples."""
         name = f"part-{self._next:06d}"
         self._next += 1
-        emb = np.asarray(feats, dtype=np.float16).reshape(len(rows["key"]), -1)
+        emb = np.asarray(feats, dtype=np.float16)
+        emb = emb.reshape(len(rows["key"]), emb.shape[-1] if emb.ndim == 2 else 0)
         with atomic_path(self.dir / f"{name}.npy", suffix=".npy") as tmp:
             np.save(tmp, emb, allow_pickle=False)
         rec = {"rows": rows, "complete": [list(c) for c in complete], "skipped": skipped}
