@@ -1,6 +1,6 @@
 """The model directory's ``manifest.json``: sha256 of every file and a fingerprint over them. Torch-free.
 
-Both the torch model loader (``clip_mini.model``) and the numpy text-query path (``clip_mini.retrieval.query``, which must
+Both the torch model loader (``clip_mini.model``) and the ONNX query path (``clip_mini.retrieval.query``, which must
 start without torch) read model directories through this one function, so they agree on what counts as intact.
 """
 from __future__ import annotations

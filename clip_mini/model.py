@@ -114,8 +114,9 @@ class CLIPModel(nn.Module):
                               max_length=self.cfg.text.max_length, return_tensors="pt")
 
     # -- model directory ------------------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: str | Path, extra: Optional[dict] = None) -> str:
-        """Write a complete model directory atomically; returns the fingerprint."""
+    def save_pretrained(self, out_dir: str | Path, extra: Optional[dict] = None, onnx: bool = False) -> str:
+        """Write a complete model directory atomically; returns the fingerprint. ``onnx``: also export both towers
+        to ``onnx/`` (what torch-free queries run; otherwise made on first use, see retrieval.onnx_export)."""
         from safetensors.torch import save_file
 
         from clip_mini.version import __version__
@@ -135,6 +136,10 @@ class CLIPModel(nn.Module):
             fingerprint = _fingerprint(checksums)
             atomic_write_json(tmp / "manifest.json", {"format_version": FORMAT_VERSION, "files": checksums,
                                                       "fingerprint": fingerprint})
+            if onnx:
+                from clip_mini.retrieval.onnx_export import ONNX_DIR, export_onnx
+
+                export_onnx(self, tmp / ONNX_DIR, fingerprint)
         return fingerprint
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Masked-mean text pooling (``model.text.pooling: mean``): padding-invariant, and the numpy query path agrees."""
+"""Masked-mean text pooling (``model.text.pooling: mean``): padding-invariant, and the ONNX query path agrees."""
 import numpy as np
 import torch
 
@@ -24,8 +24,8 @@ def test_mean_pooling_ignores_padding_and_differs_from_cls():
     assert not torch.allclose(a, hidden[:, 0])
 
 
-def test_numpy_query_encoder_follows_the_pooling_of_the_model(tmp_path):
-    from clip_mini.retrieval.query import NumpyTextEncoder
+def test_onnx_query_encoder_follows_the_pooling_of_the_model(tmp_path):
+    from clip_mini.retrieval.query import TextQueryEncoder
 
     cfg = load_config(None, ["model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
                              "model.text.hidden_dim=64", "model.embed_dim=16", "model.text.pooling=mean",
@@ -34,7 +34,7 @@ def test_numpy_query_encoder_follows_the_pooling_of_the_model(tmp_path):
     model = CLIPModel.build(cfg.model, captions=CAPTIONS).eval()
     model.save_pretrained(tmp_path / "m")
     queries = ["a red circle", "a small blue square at the top"]
-    fast = NumpyTextEncoder.load(tmp_path / "m").encode_text(queries)
+    fast = TextQueryEncoder.load(tmp_path / "m").encode_text(queries)
     with torch.no_grad():
         tokens = model.tokenize(queries)
         ref = model.encode_text(tokens["input_ids"], tokens["attention_mask"]).numpy()

@@ -5,12 +5,14 @@ Imports run one way (each module imports only those above it)::
     search   exact and faiss back ends (numpy; faiss when installed)
     format   the directory format: manifest, items table, generations, atomic commits, writer lock, shard layout
     files    finding image files and embedding them in batches (the indexing loader)
+    onnx_export  the towers as ONNX graphs beside the model directory (exported once, checksummed)
     reader   IndexReader: one generation opened read-only, searched
     build    sync_index: make an index hold a list of images (incremental, resumable)
     shards   merge_indexes: shard indexes into one
     wds_source  index_shards: WebDataset tar shards into an index (rows record shard, key, offset)
     ray_index   the same embedding pass as a Ray Data pipeline (index --shards ... --ray)
-    query    the torch-free text-query encoder
+    preprocess_np  the eval image transform in numpy (no torch, albumentations or OpenCV on a query)
+    query    text and image query encoders on onnxruntime (torch-free)
     engine   QueryEngine: query embeddings (text or image) from a model directory, loaded once
     index    EmbeddingIndex: the public class on top of all of them
 

@@ -27,6 +27,7 @@ from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text
 from clip_mini.retrieval.files import iter_image_features
 from clip_mini.retrieval.format import (EmbeddingIndexError, commit, current_generation, in_shard, shard_dir,
                                         writer_lock)
+from clip_mini.retrieval.onnx_export import export_if_missing
 from clip_mini.retrieval.reader import IndexReader
 
 _BLOCK = 16384   # rows copied per step when writing a generation
@@ -147,6 +148,8 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         rows, todo, skipped = _plan(old, images, captions, prune, progress)
         work = _Work(path, embedder.fingerprint)
         _embed_missing(embedder, todo, work, batch_size, workers, precision, flush_every, progress)
+        if model_dir and hasattr(embedder, "model"):   # queries on this index then run without torch
+            export_if_missing(embedder.model, model_dir)
         skipped.update({p: work.bad[h] for p, h in zip(rows["path"], rows["sha256"]) if h in work.bad})
         keep = [i for i, h in enumerate(rows["sha256"]) if h not in work.bad]
         rows = {c: [v[i] for i in keep] for c, v in rows.items()}

@@ -1,8 +1,10 @@
 """QueryEngine: turns search queries (text or images) into embeddings with a saved model, loaded once.
 
 ``clip-mini search``, ``EmbeddingIndex.search_text`` / ``search_image`` and ``clip-mini serve`` all embed their
-queries here, so they agree on what a query means. Each tower is loaded on first use and kept: a text search
-never pays for the image tower's imports, and a server pays for each tower once.
+queries here, so they agree on what a query means. Both towers run in onnxruntime (``query``): no torch import,
+whether the query is text or an image. Each tower is loaded on first use and kept: a text search never loads the
+image graph, and a server pays for each tower once. The ONNX files are exported on first use if the model
+directory has none (that one time imports torch).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from clip_mini.manifest import read_manifest
-from clip_mini.retrieval.query import QUERY_FILES
+from clip_mini.retrieval.query import QUERY_FILES, ImageQueryEncoder, TextQueryEncoder
 
 
 class QueryEngine:
@@ -38,17 +40,13 @@ class QueryEngine:
 
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
         if self._text is None:
-            from clip_mini.retrieval.query import NumpyTextEncoder
-
-            self._text = NumpyTextEncoder.load(self.model_dir)
+            self._text = TextQueryEncoder.load(self.model_dir)
         return _unit_rows(self._text.encode_text(list(texts)))
 
     def encode_image(self, images: Sequence[Any]) -> np.ndarray:
-        """Images as paths, PIL images or arrays (decoded and preprocessed like the eval transform)."""
+        """Images as paths, encoded bytes, PIL images or arrays (decoded and preprocessed like the eval transform)."""
         if self._image is None:
-            import clip_mini
-
-            self._image = clip_mini.load(self.model_dir, device=self.device)
+            self._image = ImageQueryEncoder.load(self.model_dir)
         return _unit_rows(self._image.encode_image(list(images)))
 
     def check_index(self, index, name: Optional[str] = None) -> None:

@@ -1,0 +1,163 @@
+"""ONNX copies of a model directory's two towers, so queries run in onnxruntime without torch.
+
+Each graph is a whole ``encode_*`` call: tower, projection head and L2 normalisation.
+
+    text.onnx    input_ids, attention_mask (batch, length) int64  ->  text_features (batch, dim) float32
+    image.onnx   pixels (batch, 3, S, S) float32 (the eval transform's output)  ->  image_features (batch, dim)
+    onnx.json    the model fingerprint they were exported from, their sha256, opset and exporter versions
+
+Where they live: ``<model_dir>/onnx/`` (written when the model directory is saved with ``export_onnx=True``, or
+on first use), or ``<cache>/onnx/<fingerprint>/`` when the model directory is read-only (``<cache>`` is the image
+cache's root, ``$CLIP_MINI_CACHE_DIR`` first). Every load checks the files against ``onnx.json`` and
+``onnx.json`` against the model's fingerprint, so a damaged file or an export of another model is refused with
+its name (``OnnxError``); ``ensure_onnx(..., repair=True)`` re-exports instead.
+
+The export uses torch's TorchScript exporter (``dynamo=False``): the dynamo exporter needs ``onnxscript``, which
+this project does not install, and the traced graphs are checked against torch to 1e-4 in the tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from clip_mini.io import atomic_dir, sha256_file
+from clip_mini.manifest import ModelDirError, read_manifest
+
+ONNX_DIR = "onnx"
+INDEX = "onnx.json"
+TOWERS = {"text": "text.onnx", "image": "image.onnx"}
+OPSET = 17
+
+
+class OnnxError(ModelDirError):
+    """The ONNX copy of a model is missing, damaged or from another model; the message names the file."""
+
+
+def cache_root() -> Path:
+    if os.environ.get("CLIP_MINI_CACHE_DIR"):
+        return Path(os.environ["CLIP_MINI_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clip_mini"
+
+
+def candidate_dirs(model_dir: Path, fingerprint: str) -> list[Path]:
+    """Where the ONNX files of a model may be, in the order they are looked for and written."""
+    return [Path(model_dir) / ONNX_DIR, cache_root() / "onnx" / fingerprint]
+
+
+def verify_onnx(folder: Path, fingerprint: str, towers: tuple[str, ...] = ("text", "image")) -> dict[str, Path]:
+    """Check ``folder``'s files against its ``onnx.json`` and the model's fingerprint; paths of ``towers``."""
+    index_path = folder / INDEX
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        files, their_fp = index["files"], index["fingerprint"]
+    except FileNotFoundError:
+        raise OnnxError(f"{index_path} not found") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise OnnxError(f"{index_path} is not a readable ONNX index: {e}") from None
+    if their_fp != fingerprint:
+        raise OnnxError(f"{index_path} was exported from model {their_fp}, not {fingerprint}")
+    out = {}
+    for tower in towers:
+        path = folder / TOWERS[tower]
+        if not path.is_file():
+            raise OnnxError(f"{path} not found")
+        if sha256_file(path) != files.get(TOWERS[tower]):
+            raise OnnxError(f"{path} is corrupt: its sha256 does not match {INDEX}")
+        out[tower] = path
+    return out
+
+
+def ensure_onnx(model_dir: str | Path, tower: str, repair: bool = False) -> Path:
+    """Path of ``tower``'s verified ONNX file for ``model_dir``, exporting both towers first if there is none.
+
+    A damaged or foreign copy raises ``OnnxError`` (naming the file) unless ``repair``, which exports afresh.
+    """
+    model_dir = Path(model_dir)
+    fingerprint = read_manifest(model_dir, verify=False)["fingerprint"]
+    for folder in candidate_dirs(model_dir, fingerprint):
+        if (folder / INDEX).exists():
+            try:
+                return verify_onnx(folder, fingerprint, (tower,))[tower]
+            except OnnxError:
+                if not repair:
+                    raise
+    from clip_mini.model import CLIPModel
+
+    folder = _export_somewhere(CLIPModel.from_pretrained(model_dir), model_dir)   # verifies the weights first
+    return verify_onnx(folder, fingerprint, (tower,))[tower]
+
+
+def export_if_missing(model, model_dir: str | Path) -> None:
+    """Give ``model_dir`` a verified export made from ``model`` (already loaded, e.g. by ``clip-mini index``), so
+    that later queries never import torch. Models on a GPU are left to the first query."""
+    fingerprint = model.fingerprint
+    for folder in candidate_dirs(Path(model_dir), fingerprint):
+        try:
+            verify_onnx(folder, fingerprint)
+            return
+        except OnnxError:
+            continue
+    if next(model.parameters()).device.type == "cpu":
+        _export_somewhere(model, Path(model_dir))
+
+
+def _export_somewhere(model, model_dir: Path) -> Path:
+    errors = []
+    for folder in candidate_dirs(model_dir, model.fingerprint):
+        try:
+            return export_onnx(model, folder)
+        except OSError as e:   # OutputError included: a read-only model directory falls through to the user cache
+            errors.append(f"{folder}: {e}")
+    raise OnnxError(f"cannot write the ONNX export of {model_dir}: " + "; ".join(errors))
+
+
+def export_onnx(model, out_dir: str | Path, fingerprint: Optional[str] = None) -> Path:
+    """Export ``model`` (a ``CLIPModel``) to ``out_dir`` (replaced atomically): text.onnx, image.onnx, onnx.json."""
+    fingerprint = fingerprint or model.fingerprint
+    training = model.training
+    model.eval()   # the graphs are eval mode (no dropout); a training caller gets its mode back below
+    size = model.preprocess.image_size
+    try:
+        _export(model, out_dir, fingerprint, size)
+    finally:
+        model.train(training)
+    return Path(out_dir)
+
+
+def _export(model, out_dir: str | Path, fingerprint: str, size: int) -> None:
+    import warnings
+
+    import torch
+
+    with atomic_dir(out_dir) as tmp, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the TorchScript exporter's deprecation and tracer warnings
+        ids = torch.ones(2, 5, dtype=torch.int64)
+        text_axes = {"input_ids": {0: "batch", 1: "length"}, "attention_mask": {0: "batch", 1: "length"},
+                     "text_features": {0: "batch"}}
+        torch.onnx.export(_encoder(model, "encode_text"), (ids, torch.ones_like(ids)), str(tmp / TOWERS["text"]),
+                          dynamo=False, input_names=["input_ids", "attention_mask"], output_names=["text_features"],
+                          dynamic_axes=text_axes, opset_version=OPSET)
+        pixels = torch.zeros(1, 3, size, size)
+        torch.onnx.export(_encoder(model, "encode_image"), (pixels,), str(tmp / TOWERS["image"]), dynamo=False,
+                          input_names=["pixels"], output_names=["image_features"],
+                          dynamic_axes={"pixels": {0: "batch"}, "image_features": {0: "batch"}}, opset_version=OPSET)
+        index = {"fingerprint": fingerprint, "opset": OPSET, "torch": torch.__version__,
+                 "files": {name: sha256_file(tmp / name) for name in TOWERS.values()}}
+        (tmp / INDEX).write_text(json.dumps(index, indent=1), encoding="utf-8")
+
+
+def _encoder(model, method: str):
+    """``model.<method>`` as a module of its own, so the exported graph starts at the tower's inputs."""
+    import torch
+
+    class Encode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *inputs):
+            return getattr(self.model, method)(*inputs)
+
+    return Encode()
