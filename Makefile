@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	bash scripts/demo.sh $(BIN)
+	@echo; echo "search the demo index in a browser (the page and its API at http://127.0.0.1:8000/):"
+	@echo "  $(BIN)/clip-mini serve --index indexes/shapes"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
