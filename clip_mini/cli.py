@@ -58,8 +58,9 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ix.add_argument("--batch-size", type=_positive_int, default=64)
     ix.add_argument("--workers", type=_count, default=0, help="DataLoader workers decoding images")
     ix.add_argument("--bf16", action="store_true", help="bf16 autocast for the image tower (faster on CPUs with AMX)")
-    ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf"],
-                    help="store a faiss index too (auto: HNSW for large indexes when faiss is installed)")
+    ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf", "ivfpq"],
+                    help="store a faiss index too (auto, when faiss is installed: HNSW from 500k rows, IVF-PQ "
+                         "with exact re-ranking from 2M)")
     ix.add_argument("--quiet", action="store_true")
 
     se = sub.add_parser("search", help="search an index with a text (or an image) query")

@@ -259,8 +259,8 @@ def _unchanged(old: IndexReader, rows: dict[str, list], kind: Optional[str]) -> 
 def faiss_kind(faiss: str, old: Optional[IndexReader], count: int) -> Optional[str]:
     from clip_mini.retrieval import search as S
 
-    if faiss not in ("auto", "none", "hnsw", "ivf"):
-        raise EmbeddingIndexError(f"faiss must be auto, none, hnsw or ivf, got {faiss!r}")
+    if faiss not in ("auto", "none", "hnsw", "ivf", "ivfpq"):
+        raise EmbeddingIndexError(f"faiss must be auto, none, hnsw, ivf or ivfpq, got {faiss!r}")
     if faiss == "none":
         return None
     if faiss != "auto":
@@ -269,7 +269,9 @@ def faiss_kind(faiss: str, old: Optional[IndexReader], count: int) -> Optional[s
         return faiss
     if old is not None and old.manifest.get("faiss_kind"):
         return old.manifest["faiss_kind"]
-    return "hnsw" if count >= S.FAISS_THRESHOLD and S.faiss_available() else None
+    if count < S.FAISS_THRESHOLD or not S.faiss_available():
+        return None
+    return "ivfpq" if count >= S.IVFPQ_THRESHOLD else "hnsw"   # past RAM: compressed codes, exact re-ranking
 
 
 def _write_skipped(path: Path, skipped: dict[str, str]) -> None:

@@ -126,7 +126,8 @@ class IndexReader:
         try:
             if backend == "exact":
                 return S.exact_search(self.embeddings, queries, k)
-            return S.faiss_search(self.faiss_index(), queries, k, self.dim)
+            pq = self.manifest.get("faiss_kind") == "ivfpq"   # PQ scores are coarse: re-rank from the rows
+            return S.faiss_search(self.faiss_index(), queries, k, self.dim, rerank=self.embeddings if pq else None)
         except ValueError as e:
             raise EmbeddingIndexError(f"search in {self.path}: {e}") from None
 

@@ -16,11 +16,18 @@ from typing import Literal
 
 import numpy as np
 
-FaissKind = Literal["hnsw", "ivf"]
+FaissKind = Literal["hnsw", "ivf", "ivfpq"]
 # Above this many rows `auto` prefers a stored faiss index: exact search time grows with the rows (the float16 ->
 # float32 conversion dominates, far above the time to read the matrix once) while faiss IVF stays in milliseconds
 # at recall@10 1.0 on clustered data. Figures: benchmarks/results/search.json (benchmarks/bench_search.py).
 FAISS_THRESHOLD = 500_000
+# Above this many rows `auto` builds IVF-PQ instead of HNSW: HNSW keeps float32 rows plus its graph in RAM
+# (~1.3 KB a row at d=256: 2.6 GB at 2M rows), IVF-PQ d/8 bytes of code and an 8-byte id (40 B a row at d=256:
+# 0.4 GB at 10M), its approximate scores re-ranked exactly from the memory-mapped float16 rows.
+# Figures: benchmarks/results/index_10m.json (benchmarks/bench_index_10m.py).
+IVFPQ_THRESHOLD = 2_000_000
+IVFPQ_MIN_ROWS = 10_000   # PQ's 256 centroids per sub-vector need ~39 training rows each
+RERANK = 10               # IVF-PQ candidates per wanted result, re-scored exactly
 
 
 def _check_queries(queries: np.ndarray, dim: int, k: int) -> np.ndarray:
@@ -117,8 +124,10 @@ def build_faiss(embeddings: np.ndarray, kind: FaissKind = "hnsw", seed: int = 0,
         sample = np.sort(rng.choice(n, size=min(n, nlist * 64), replace=False))
         index.train(np.asarray(embeddings[sample], dtype=np.float32))
         index.nprobe = min(nlist, 16)
+    elif kind == "ivfpq":
+        index = _ivfpq(faiss, embeddings, seed)
     else:
-        raise ValueError(f"unknown faiss index kind {kind!r} (use 'hnsw' or 'ivf')")
+        raise ValueError(f"unknown faiss index kind {kind!r} (use 'hnsw', 'ivf' or 'ivfpq')")
     step = 65536
     blocks = range(0, n, step)
     if progress:
@@ -130,13 +139,43 @@ def build_faiss(embeddings: np.ndarray, kind: FaissKind = "hnsw", seed: int = 0,
     return index
 
 
-def faiss_search(index, queries: np.ndarray, k: int = 10, dim: int | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Search a faiss index; same return contract as ``exact_search`` (missing results dropped by clipping k)."""
+def _ivfpq(faiss, embeddings: np.ndarray, seed: int):
+    """IVF-PQ: sqrt(N) lists (at most 4096), d/8 sub-vectors of 8 bits (d/8 bytes a row), trained on a sample."""
+    n, dim = embeddings.shape
+    if n < IVFPQ_MIN_ROWS:
+        raise ValueError(f"an IVF-PQ index needs at least {IVFPQ_MIN_ROWS} rows, this one has {n}: use hnsw or ivf")
+    if dim % 8:
+        raise ValueError(f"IVF-PQ splits rows into d/8 sub-vectors: d={dim} is not a multiple of 8")
+    nlist = max(1, min(int(math.sqrt(n)), 4096))
+    index = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, nlist, dim // 8, 8, faiss.METRIC_INNER_PRODUCT)
+    rng = np.random.default_rng(seed)
+    sample = np.sort(rng.choice(n, size=min(n, max(nlist * 39, 256 * 39)), replace=False))
+    index.train(np.asarray(embeddings[sample], dtype=np.float32))
+    index.nprobe = min(nlist, 32)
+    return index
+
+
+def faiss_search(index, queries: np.ndarray, k: int = 10, dim: int | None = None,
+                 rerank: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Search a faiss index; same return contract as ``exact_search`` (missing results dropped by clipping k).
+
+    With ``rerank`` (the stored (N, d) rows, a memory map) the index proposes ``RERANK * k`` candidates per query
+    and their exact inner products pick the top k: scores are then exact, only the candidate list is approximate.
+    """
     queries = _check_queries(queries, dim or index.d, k)
     k = min(k, index.ntotal)
-    scores, ids = index.search(queries, k)
-    return _sort_topk(scores.astype(np.float32), ids.astype(np.int64))
+    if rerank is None:
+        scores, ids = index.search(queries, k)
+        return _sort_topk(scores.astype(np.float32), ids.astype(np.int64))
+    _, cand = index.search(queries, min(RERANK * k, index.ntotal))
+    best_s = np.full((len(queries), k), -np.inf, np.float32)
+    best_i = np.full((len(queries), k), -1, np.int64)
+    for q, c in enumerate(cand):
+        c = np.unique(c[c >= 0])   # sorted row ids: the memory map is read front to back
+        s = np.asarray(rerank[c], dtype=np.float32) @ queries[q]
+        top = np.argsort(-s, kind="stable")[:k]
+        best_s[q, :len(top)], best_i[q, :len(top)] = s[top], c[top]
+    return _sort_topk(best_s, best_i)
 
 
 def save_faiss(index, path: str | Path) -> None:
