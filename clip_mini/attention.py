@@ -9,6 +9,7 @@ Two summaries of a ViT's attention (both (grid_h, grid_w) maps summing to 1):
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -17,12 +18,24 @@ import torch
 Mode = Literal["mean", "rollout"]
 
 
+def image_backbone(model_dir: str | Path) -> str:
+    """The image tower a model directory declares ("vit", "efficientnet", ...), read from its ``config.json``
+    without loading any weights: ``clip-mini attention`` refuses a non-ViT model before paying for it."""
+    from clip_mini.manifest import ModelDirError, read_json
+
+    config = read_json(Path(model_dir) / "config.json")
+    try:
+        return str(config["model"]["vision"].get("backbone", "vit"))
+    except (KeyError, TypeError, AttributeError):
+        raise ModelDirError(f"{Path(model_dir) / 'config.json'}: no model.vision section") from None
+
+
 def rollout(maps: list[torch.Tensor], num_prefix_tokens: int = 1) -> torch.Tensor:
     """Attention rollout from per-layer maps (B, heads, N, N): the CLS row over patches, (B, N - prefix)."""
     result = None
     for a in maps:
         a = a.mean(1)  # (B, N, N) head average
-        a = a + torch.eye(a.shape[-1], dtype=a.dtype)  # residual connection
+        a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)  # residual connection
         a = a / a.sum(-1, keepdim=True)
         result = a if result is None else a @ result
     return result[:, 0, num_prefix_tokens:]
@@ -42,6 +55,7 @@ def attention_map(model, pixels: torch.Tensor, mode: Mode = "mean") -> np.ndarra
     if pixels.ndim == 3:
         pixels = pixels[None]
     visual = model.visual
+    pixels = pixels.to(next(visual.parameters()).device)
     if mode == "mean":
         maps = visual.cls_attention(pixels)  # (1, depth, heads, gh, gw)
         heat = maps.mean(dim=(1, 2))[0]

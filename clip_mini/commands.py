@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import sys
 from pathlib import Path
 
-from clip_mini.printing import print_json, print_results
+from clip_mini.printing import print_json, print_results, rounded
 from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
 
 
@@ -27,17 +28,24 @@ def cmd_index(args: argparse.Namespace) -> int:
         return 0
     if args.shards is not None or args.ray is not None:
         return _index_shards(args, progress)
-    if args.model is None or (args.images is None and args.data is None):
-        raise EmbeddingIndexError("index needs --model and one of --images FOLDER or --data CONFIG (or --merge)")
+    if args.model is None or (args.images is None and args.data is None and args.captions is None):
+        raise EmbeddingIndexError("index needs --model and one of --images FOLDER, --captions FILE or --data CONFIG "
+                                  "(or --merge)")
+    from clip_mini.devices import resolve_device
+
+    device = resolve_device(args.device)   # a bad --device fails before anything is read
     shard, world = _shard_from(args.shard, parse_shard)
+    if world is not None and device.type == "cuda":
+        device = _rank_device()
     images, captions, source = _index_inputs(args)
     import clip_mini
     from clip_mini.retrieval.build import sync_index
 
-    embedder = clip_mini.load(args.model, batch_size=args.batch_size)
+    embedder = clip_mini.load(args.model, device=device, batch_size=args.batch_size)
     index = sync_index(args.out, embedder, images, captions=captions, prune=not args.add,
-                       batch_size=args.batch_size, workers=args.workers, precision="bf16" if args.bf16 else "fp32",
-                       faiss=args.faiss, shard=shard, source=source, model_dir=args.model, progress=progress)
+                       batch_size=args.batch_size, workers=default_workers(args.workers, device),
+                       precision="bf16" if args.bf16 else "fp32", faiss=args.faiss, shard=shard, source=source,
+                       model_dir=args.model, progress=progress)
     print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}")
     if world is not None:   # launched by torchrun: wait for every rank, then rank 0 merges the shards
         world.barrier()
@@ -99,9 +107,25 @@ def _shard_from(text, parse_shard):
         import torch.distributed as dist
 
         # The barrier after indexing waits for the slowest shard, which can take hours: not the 30 min default.
+        # gloo on GPUs too: the group only carries barriers, never tensors.
         dist.init_process_group("gloo", timeout=timedelta(hours=48))
         return (dist.get_rank(), dist.get_world_size()), dist
     return None, None
+
+
+def _rank_device():
+    """Under torchrun each rank embeds on its own GPU: ``cuda:LOCAL_RANK`` (modulo the GPUs there are)."""
+    import torch
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def default_workers(workers, device) -> int:
+    """``--workers`` unset: decode in the main process on a CPU (workers would compete with the model for the
+    cores), with 4 worker processes on a GPU (decoding is then the bottleneck)."""
+    if workers is not None:
+        return workers
+    return min(4, os.cpu_count() or 1) if device.type == "cuda" else 0
 
 
 def _index_inputs(args: argparse.Namespace):
@@ -112,13 +136,14 @@ def _index_inputs(args: argparse.Namespace):
         if not images:
             raise EmbeddingIndexError(f"no images found under {args.images} (looked for .jpg, .png, .webp, ...)")
         return images, None, os.path.abspath(args.images)
-    from clip_mini.config import load_config
+    from clip_mini.config import DataConfig, load_config
     from clip_mini.data import load_table
 
-    cfg = load_config(args.data)
-    df = load_table(cfg.data, report_dir=None, progress=not args.quiet)
+    data = DataConfig(captions=args.captions) if args.captions is not None else load_config(args.data).data
+    with contextlib.redirect_stdout(io.StringIO() if args.quiet else sys.stderr):
+        df = load_table(data, report_dir=None, progress=not args.quiet)   # its summary line is an info line
     captions = df.groupby("path", sort=False)["caption"].agg(" | ".join).to_dict()
-    return list(captions), captions, os.path.abspath(cfg.data.captions)
+    return list(captions), captions, os.path.abspath(data.captions)
 
 
 # -- search ----------------------------------------------------------------------------------------------------
@@ -135,7 +160,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise EmbeddingIndexError(f"model directory {model_dir} (used to build {args.index}) is gone: pass --model")
     from clip_mini.retrieval.engine import QueryEngine
 
-    engine = QueryEngine.load(model_dir)
+    # The device matters only for an image query: a text query runs torch-free (the string is resolved when the
+    # image tower loads, so a text search never imports torch to ask about CUDA).
+    engine = QueryEngine.load(model_dir, device=args.device)
     engine.check_index(index)
     if args.query is not None:
         queries = engine.encode_text([args.query])
@@ -157,7 +184,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
         title = f"{args.query!r}" if args.query is not None else f"image: {args.image}"
         with hit_image_files(index.items, [i for i, _ in hits]) as files:   # shard rows: read back by offset
-            result_grid(files, [h["score"] for h in results], args.grid, title=title)
+            result_grid(files, [h["score"] for h in results], args.grid, title=title,
+                        names=[Path(h["path"]).name for h in results])
     if args.json:
         print_json({"query": args.query, "image": args.image, "index": str(index.path),
                     "model_fingerprint": index.fingerprint, "results": results})
@@ -172,17 +200,21 @@ def cmd_search(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from clip_mini.model_eval import DEFAULT_TEMPLATES, EvalError, evaluate_retrieval, evaluate_zero_shot
 
+    from clip_mini.devices import resolve_device
+
     if (args.data is None) == (args.labels is None):
         raise EvalError("eval needs --data CONFIG (retrieval) or --labels FILE (zero-shot), one of them")
+    device = resolve_device(args.device)
+    workers, progress = default_workers(args.workers, device), not args.quiet
     # Progress lines from the data pipeline go to stderr: stdout carries only the results (pipeable JSON).
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(io.StringIO() if args.quiet else sys.stderr):
         if args.labels is not None:
             out = evaluate_zero_shot(args.model, args.labels, args.images, args.label_col,
-                                     args.template or DEFAULT_TEMPLATES, args.batch_size or 64, args.workers,
-                                     precision=args.precision)
+                                     args.template or DEFAULT_TEMPLATES, args.batch_size or 64, workers,
+                                     progress=progress, precision=args.precision, device=device)
         else:
-            out = evaluate_retrieval(args.model, args.data, args.split, args.set, args.batch_size, args.workers,
-                                     precision=args.precision)
+            out = evaluate_retrieval(args.model, args.data, args.split, args.set, args.batch_size, workers,
+                                     progress=progress, precision=args.precision, device=device)
     if args.labels is not None:
         keys = [k for k in out if k.startswith("top")]
     else:
@@ -192,7 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     head = {k: out[k] for k in ("split", "precision", "n_images", "n_captions", "n_classes", "n_dropped_images")
             if k in out}
-    print("  ".join(f"{k}={v}" for k, v in head.items()))
+    print("  ".join(f"{k}={v}" for k, v in rounded(head).items()))
     for k in keys:
         v = out[k]
         print(f"{k:>10}  {v:.2f}" if k.endswith("medr") or k in ("rsum", "loss") else f"{k:>10}  {100 * v:.2f}%")
@@ -202,22 +234,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
 # -- attention -------------------------------------------------------------------------------------------------
 def cmd_attention(args: argparse.Namespace) -> int:
     import clip_mini
-    from clip_mini.attention import attention_map
+    from clip_mini.attention import attention_map, image_backbone
     from clip_mini.data import load_image
     from clip_mini.embed import InputError
     from clip_mini.viz import attention_overlay
 
     if not 0.0 <= args.alpha <= 1.0:
         raise InputError(f"--alpha must be in [0, 1], got {args.alpha}")
-    embedder = clip_mini.load(args.model)
+    from clip_mini.devices import resolve_device
+
+    device = resolve_device(args.device)
+    backbone = image_backbone(args.model)   # from config.json: refuse before loading weights or reading the image
+    if backbone != "vit":
+        raise InputError(f"attention maps need a ViT image tower; {args.model} uses {backbone}")
     image = load_image(args.image)
+    embedder = clip_mini.load(args.model, device=device)
     if embedder.model.preprocess.resize_mode == "center_crop":   # the patch grid covers the centre square only
         h, w = image.shape[:2]
         s = min(h, w)
         image = image[(h - s) // 2:(h - s) // 2 + s, (w - s) // 2:(w - s) // 2 + s]
-    if embedder.model.visual.cfg.backbone != "vit":
-        raise InputError(f"attention maps need a ViT image tower; {args.model} uses "
-                                  f"{embedder.model.visual.cfg.backbone}")
     heat = attention_map(embedder.model, embedder.transform(image), args.mode)
     size = attention_overlay(image, heat, args.out, alpha=args.alpha, size=args.size or None)
     print(f"attention ({args.mode}, {heat.shape[0]}x{heat.shape[1]} patches) -> {args.out} ({size[0]}x{size[1]})")

@@ -101,7 +101,7 @@ class DataConfig:
     seed: int = 0
     cache: bool = True            # decoded-and-resized uint8 image cache
     cache_dir: Optional[str] = None
-    workers: int = 0
+    workers: Optional[int] = None   # DataLoader workers; None: 0 on a CPU, 4 on a GPU
     scale_min: float = 0.8        # RandomResizedCrop lower scale
     color_jitter: float = 0.1
     hflip: bool = False           # off: captions say "left" and "right"
@@ -131,7 +131,7 @@ class TrainConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"   # fp16: with a GradScaler, for GPUs without bf16
     seed: int = 0
     threads: Optional[int] = None
     log_every: int = 10
@@ -183,7 +183,7 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key} must be in [0, 1), got {flat[key]!r}")
     for key in ("train.weight_decay", "train.warmup_steps", "train.grad_clip", "data.val", "data.test",
                 "data.workers", "train.checkpoint_every", "train.frozen_features"):
-        if flat[key] < 0:
+        if flat[key] is not None and flat[key] < 0:
             raise ConfigError(f"{key} must be >= 0, got {flat[key]!r}")
     if not 0.0 < cfg.data.scale_min <= 1.0:
         raise ConfigError(f"data.scale_min must be in (0, 1], got {cfg.data.scale_min!r}")
@@ -301,9 +301,10 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s} (known: {', '.join(sorted(names))})")
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}{_did_you_mean(unknown[0], names, prefix)} "
+                          f"(known: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
@@ -313,6 +314,26 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
         else:
             kwargs[name] = _coerce(value, tp, key)
     return cls(**kwargs)
+
+
+def _did_you_mean(name: Any, names: set[str], prefix: str = "") -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(name), sorted(names), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _check_key(dotted: str) -> None:
+    """Refuse an override key that names no config field, suggesting the nearest one."""
+    cls, prefix = Config, ""
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"unknown config key {dotted}: {prefix.rstrip('.')} is a value, not a section")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise ConfigError(f"unknown config key {prefix}{part}{_did_you_mean(part, names, prefix)} "
+                              f"(known: {', '.join(sorted(names))})")
+        cls, prefix = typing.get_type_hints(cls)[part], f"{prefix}{part}."
 
 
 def _set_path(d: dict, dotted: str, value: Any) -> None:
@@ -359,11 +380,22 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             raise ConfigError(f"{path}: top level must be a mapping of sections (model, data, train)")
     for text in overrides or []:
         key, value = parse_override(text)
+        try:
+            _check_key(key)   # before merging: an unknown key is then known to come from --set, not the file
+        except ConfigError as e:
+            raise ConfigError(f"--set {text}: {e}") from None
         _set_path(data, key, value)
     try:
         return from_dict(Config, data).validate()
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config, every key, as the YAML ``save_config`` writes (``clip-mini train --print-config``)."""
+    import yaml
+
+    return yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

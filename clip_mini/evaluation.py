@@ -24,11 +24,12 @@ def _image_features(model, paths: list[str], transform, cache, batch_size: int, 
     from clip_mini.data import ImageDataset
 
     loader = DataLoader(ImageDataset(paths, transform, cache), batch_size=batch_size, num_workers=workers,
-                        generator=torch.Generator())   # never moves the global RNG (exact resume)
+                        generator=torch.Generator(),   # never moves the global RNG (exact resume)
+                        pin_memory=device.type == "cuda")
     out, oks = [], []
     for pixels, _, ok in loader:
         with autocast(device, precision):
-            out.append(model.encode_image(pixels.to(device)).float())
+            out.append(model.encode_image(pixels.to(device, non_blocking=True)).float())
         oks.append(ok)
     return torch.cat(out), torch.cat(oks)
 

@@ -52,14 +52,19 @@ def trained_settings(model_dir: str | Path) -> dict:
 
 def _resolve_precision(precision: Optional[str], model_dir: str | Path) -> str:
     precision = precision or trained_settings(model_dir).get("precision", "fp32")
-    if precision not in ("fp32", "bf16"):
-        raise EvalError(f"--precision must be fp32 or bf16, got {precision!r}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise EvalError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
     return precision
 
 
-def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: str = "test",
+def default_split(data_cfg) -> str:
+    """The split ``clip-mini eval`` scores when none is named: test when the config carves one, else val."""
+    return "test" if (data_cfg.test or data_cfg.test_list) else "val"
+
+
+def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optional[str] = None,
                        overrides: Optional[list[str]] = None, batch_size: Optional[int] = None, workers: int = 0,
-                       progress: bool = True, precision: Optional[str] = None) -> dict:
+                       progress: bool = True, precision: Optional[str] = None, device: str = "auto") -> dict:
     """Multi-caption recall@1/5/10 both ways, median rank and contrastive loss of a model on one split.
 
     The split comes from ``data.load_splits`` (as in the trainer), the pixels from its image cache (when ``data.cache`` is
@@ -68,11 +73,14 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: str = "
     images are left out with their captions (``n_dropped_images``, ``n_dropped_captions``).
 
     Args:
+        split: "train", "val" or "test"; None: test when the config has a test split (``data.test`` or
+            ``data.test_list``), else val (the result's ``split`` says which).
         batch_size: images / captions per forward pass and pairs per loss batch (the loss depends on it).
             None: the ``eval_batch_size`` the model directory records, else the config's
             ``train.eval_batch_size``.
         precision: ``"fp32"`` or ``"bf16"`` autocast. None: the precision the model directory records (the
             run's ``train.precision``), else fp32.
+        device: "auto", "cpu", "cuda" or "cuda:N".
 
     Raises:
         EvalError: unknown or empty split, or unknown precision.
@@ -83,16 +91,21 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: str = "
     from clip_mini.evaluation import evaluate_model
     from clip_mini.data import load_splits
 
-    if split not in ("train", "val", "test"):
+    if split not in (None, "train", "val", "test"):
         raise EvalError(f"--split must be train, val or test, got {split!r}")
     precision = _resolve_precision(precision, model_dir)
     cfg = load_config(config, overrides)
+    if split is None:
+        split = default_split(cfg.data)
+        if progress:
+            print(f"eval: no --split given: scoring the {split} split"
+                  + ("" if split == "test" else f" ({config} has no test split: data.test is 0)"), file=sys.stderr)
     batch_size = batch_size or trained_settings(model_dir).get("eval_batch_size") or cfg.train.eval_batch_size
     df = load_splits(cfg, progress=progress)[split]
     if len(df) == 0:
         raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split, None)}); "
                         f"choose another --split or set data.{split}")
-    embedder = clip_mini.load(model_dir, batch_size=batch_size)
+    embedder = clip_mini.load(model_dir, device=device, batch_size=batch_size)
     if progress:
         print(f"eval: {df['image_id'].nunique()} images, {len(df)} captions ({split}), {precision}, "
               f"batch {batch_size}", file=sys.stderr)
@@ -107,11 +120,13 @@ def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str
     """One L2-normalised row per class: the mean of its normalised template embeddings (as in CLIP)."""
     import torch
 
+    from clip_mini.precision import autocast
+
     for t in templates:
         if "{}" not in t:
             raise EvalError(f"prompt template {t!r} has no {{}} for the class name")
     prompts = [t.format(c) for c in classes for t in templates]
-    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+    with autocast(torch.device(getattr(encoder, "device", "cpu")), precision):
         feats = encoder.encode_text(prompts).reshape(len(classes), len(templates), -1).mean(1)
     return feats / np.linalg.norm(feats, axis=1, keepdims=True)
 
@@ -155,7 +170,7 @@ def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_c
 def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Optional[str | Path] = None,
                        label_col: str = "label", templates: Sequence[str] = DEFAULT_TEMPLATES,
                        batch_size: int = 64, workers: int = 0, progress: bool = True,
-                       precision: Optional[str] = None) -> dict:
+                       precision: Optional[str] = None, device: str = "auto") -> dict:
     """Top-1/top-5 zero-shot accuracy: each image gets the class whose prompt embedding is nearest.
 
     ``precision`` as in ``evaluate_retrieval``. Unreadable images are left out (``n_dropped_images``).
@@ -167,7 +182,7 @@ def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Option
     classes, paths, targets = read_labels(labels, images, label_col)
     if len(classes) < 2:
         raise EvalError(f"{labels}: zero-shot classification needs at least 2 classes, found {classes}")
-    embedder = clip_mini.load(model_dir, batch_size=batch_size)
+    embedder = clip_mini.load(model_dir, device=device, batch_size=batch_size)
     class_features = class_text_features(embedder, classes, templates, precision)
     image_features, ok = embed_image_files(embedder, paths, batch_size, workers, progress, precision)
     if len(ok) == 0:

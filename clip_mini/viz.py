@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from clip_mini.io import atomic_path
 
-PAD, LABEL_H, TITLE_H = 6, 20, 28
+PAD, LABEL_H, TITLE_H = 6, 34, 28   # label: rank and score, then the file name
 _BG, _FG, _MISSING = (24, 24, 28), (235, 235, 235), (70, 70, 76)
 
 
@@ -56,9 +56,19 @@ def _thumbnail(path: str, thumb: int) -> Image.Image:
     return tile
 
 
+def _fit(name: str, width: int) -> str:
+    """``name`` shortened in the middle to fit ``width`` pixels at the 11 px label font (~6 px a character)."""
+    room = max(4, width // 6)
+    return name if len(name) <= room else name[:room // 2 - 2] + "..." + name[-(room - room // 2 - 1):]
+
+
 def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Path, title: Optional[str] = None,
-                cols: int = 5, thumb: int = 160) -> tuple[int, int]:
-    """Draw ranked results (rank and score under each thumbnail) into one PNG; returns its (width, height).
+                cols: int = 5, thumb: int = 160, names: Optional[Sequence[str]] = None) -> tuple[int, int]:
+    """Draw ranked results (rank, score and file name under each thumbnail) into one PNG; returns its (width,
+    height).
+
+    Args:
+        names: the label under each thumbnail (default: each path's file name).
 
     Unreadable or deleted files get a grey "unreadable" tile rather than failing the whole grid.
     """
@@ -79,6 +89,8 @@ def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Pa
         x, y = PAD + c * (thumb + PAD), top + PAD + r * (thumb + LABEL_H + PAD)
         canvas.paste(_thumbnail(str(path), thumb), (x, y))
         draw.text((x + 2, y + thumb + 3), f"#{i + 1}  {score:.3f}", fill=_FG, font=_font(13))
+        draw.text((x + 2, y + thumb + 18), _fit(names[i] if names else Path(path).name, thumb), fill=_FG,
+                  font=_font(11))
     _save_png(canvas, out_png)
     return w, h
 

@@ -18,7 +18,7 @@ def test_defaults_and_overrides(tmp_path):
     ("train.epochz=3", "train.epochz"),
     ("model.vision.width=-4", "model.vision.width"),
     ("train.lr=abc", "train.lr"),
-    ("train.precision=fp16", "train.precision"),
+    ("train.precision=fp64", "train.precision"),
     ("model.vision.patch_size=7", "model.vision.patch_size"),
     ("train.batch_size=0", "train.batch_size"),
     ("model.text.dropout=1.5", "model.text.dropout"),

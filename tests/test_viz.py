@@ -24,7 +24,7 @@ def test_result_grid_size_and_missing_files(tmp_path):
     scores = np.linspace(0.9, 0.2, 8)
     size = result_grid(paths, scores, tmp_path / "grid.png", title="'a red circle'", cols=5, thumb=64)
     assert size == grid_size(8, cols=5, thumb=64) == _png_size(tmp_path / "grid.png")
-    assert size == (5 * 70 + 6, 28 + 2 * (64 + 20 + 6) + 6)
+    assert size == (5 * 70 + 6, 28 + 2 * (64 + 34 + 6) + 6)   # two label lines: rank + score, file name
     with pytest.raises(ValueError):
         result_grid([], [], tmp_path / "x.png")
 

@@ -39,10 +39,14 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
 
     from clip_mini.data import ImageDataset, ImageError, load_image
 
-    if precision not in ("fp32", "bf16"):
-        raise EmbeddingIndexError(f"precision must be fp32 or bf16, got {precision!r}")
+    from clip_mini.precision import autocast
+
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    device = torch.device(embedder.device)
+    # Pinned batches let the copy to a GPU run while the next batch decodes.
     loader = DataLoader(ImageDataset(paths, embedder.transform), batch_size=batch_size, num_workers=workers,
-                        shuffle=False)
+                        shuffle=False, pin_memory=device.type == "cuda")
     model = embedder.model
     with tqdm(total=len(paths), desc=desc, unit="img", disable=not progress) as bar, torch.inference_mode():
         for pixels, idx, ok in loader:
@@ -55,8 +59,8 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
                     bad[i] = getattr(e, "reason", str(e))
             feats = np.zeros((0, embedder.dim), np.float32)
             if ok.any():
-                with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
-                    out = model.encode_image(pixels[ok].to(embedder.device))
+                with autocast(device, precision):
+                    out = model.encode_image(pixels[ok].to(device, non_blocking=True))
                 # Renormalise in fp32: bf16 rounding leaves rows slightly off the unit sphere.
                 feats = torch.nn.functional.normalize(out.float(), dim=-1).cpu().numpy()
             bar.update(len(idx))

@@ -22,7 +22,10 @@ import numpy as np
 from clip_mini.errors import ClipMiniError
 from clip_mini.io import atomic_write_json, atomic_write_text, sha256_file
 
-FORMAT_VERSION = 1
+# 2: item paths are relative to the manifest's "root" (the indexed folder, recorded once), so a folder moved or
+# shared together with its index keeps working. Version 1 (absolute paths) is still read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
 # Rows indexed from WebDataset shards add where the image sits (path is "shard#key"); a reader that predates
 # them stops at the header with "expected columns ...", so the format version stays.
@@ -50,10 +53,47 @@ def read_manifest(path: str | Path) -> dict:
         raise EmbeddingIndexError(f"{mpath} is corrupt: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise EmbeddingIndexError(f"{mpath} is corrupt: its content does not match its manifest_sha256")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READ_VERSIONS:
         raise EmbeddingIndexError(f"{mpath}: index format version {manifest.get('format_version')!r}, this "
-                                  f"clip_mini reads version {FORMAT_VERSION}; rebuild the index")
+                                  f"clip_mini reads versions {', '.join(map(str, READ_VERSIONS))}; rebuild the "
+                                  "index or upgrade clip_mini")
     return manifest
+
+
+def relative_items(items: dict[str, list], index_dir: Path) -> tuple[dict[str, list], Optional[dict]]:
+    """Item paths relative to the deepest folder holding them all, and that folder (absolute, and relative to
+    the index directory); paths stay as given when any is not absolute."""
+    paths = items["path"]
+    if not paths or not all(os.path.isabs(p) for p in paths):
+        return items, None
+    root = os.path.commonpath([os.path.dirname(p) for p in paths])
+    try:
+        from_index = Path(os.path.relpath(root, os.path.abspath(index_dir))).as_posix()
+    except ValueError:   # another drive (Windows): only the absolute folder can find it
+        from_index = None
+    rel = [Path(os.path.relpath(p, root)).as_posix() for p in paths]
+    return {**items, "path": rel}, {"path": root, "from_index": from_index}
+
+
+def items_root(manifest: dict, index_dir: Path) -> Optional[str]:
+    """The folder item paths are relative to: found from the index directory when the two moved together, else
+    where it was when the index was written; None for absolute item paths (format version 1)."""
+    root = manifest.get("root")
+    if not root:
+        return None
+    if root.get("from_index") is not None:
+        beside = os.path.normpath(os.path.join(os.path.abspath(index_dir), root["from_index"]))
+        if os.path.isdir(beside):
+            return beside
+    return root["path"]
+
+
+def absolute_items(items: dict[str, list], manifest: dict, index_dir: Path) -> dict[str, list]:
+    """Items with absolute paths (what every reader works with), from either format version."""
+    root = items_root(manifest, index_dir)
+    if root is None:
+        return items
+    return {**items, "path": [os.path.normpath(os.path.join(root, p)) for p in items["path"]]}
 
 
 def read_items(path: Path) -> dict[str, list]:
@@ -103,6 +143,7 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
     from clip_mini import __version__
 
     emb_name, items_name = f"embeddings-{generation}.npy", f"items-{generation}.csv"
+    items, root = relative_items(items, path)
     atomic_write_text(path / items_name, items_csv(items))
     files = {"embeddings": emb_name, "items": items_name}
     if faiss_kind:
@@ -117,6 +158,7 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
         "format_version": FORMAT_VERSION, "generation": generation, "files": files,
         "checksums": {name: sha256_file(path / name) for name in files.values()},
         "count": int(emb.shape[0]), "dim": int(emb.shape[1]), "dtype": "float16", "faiss_kind": faiss_kind,
+        "root": root,
         "clip_mini_version": __version__, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta,
     }
     del emb
@@ -135,22 +177,25 @@ def _remove_old_generations(path: Path, keep: set[int]) -> None:
 
 @contextmanager
 def writer_lock(path: Path) -> Iterator[None]:
-    """Hold ``path/.lock`` exclusively; a second writer fails at once instead of interleaving generations."""
-    import fcntl
+    """Hold ``path/.lock`` exclusively; a second writer fails at once instead of interleaving generations.
+
+    ``filelock`` takes an OS lock (flock on POSIX, msvcrt on Windows), so a killed writer releases it.
+    """
+    from filelock import FileLock, Timeout
 
     path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(path / ".lock", timeout=0)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise EmbeddingIndexError(f"index {path} is being written by another process; wait for it to "
-                                      "finish (a killed writer releases the lock automatically)") from None
+        lock.acquire()
+    except Timeout:
+        raise EmbeddingIndexError(f"index {path} is being written by another process; wait for it to "
+                                  "finish (a killed writer releases the lock automatically)") from None
+    try:
         for p in path.glob(".*.tmp*"):   # temporaries of a writer that was killed mid-write
             p.unlink(missing_ok=True)
         yield
     finally:
-        os.close(fd)
+        lock.release()
 
 
 # -- sharded builds: shard i of n indexes the files with crc32(path) % n == i, into path/shards/i-of-n ---------

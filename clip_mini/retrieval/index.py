@@ -50,17 +50,26 @@ class EmbeddingIndex(IndexReader):
         return cls(reader.path, reader.manifest, reader.embeddings, reader.items)
 
     # -- convenience: queries by text or image, results as (path, score) -------------------------------------
-    def search_text(self, text: str, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
-                    ) -> list[tuple[str, float]]:
-        """Ranked ``(path, score)`` for a text query, embedded by the index's model (torch-free, see ``engine``)."""
+    def search_text(self, text: str | Sequence[str], k: int = 10, model_dir: Optional[str | Path] = None,
+                    backend: str = "auto") -> list:
+        """Ranked ``(path, score)`` for a text query, or one such list per query for a list of queries.
+
+        Queries are embedded by the index's model (torch-free, see ``engine``), loaded on the first call and
+        kept on the index.
+        """
+        single = isinstance(text, str)
         engine = self.engine(model_dir)
-        return self._hits(*self.search(engine.encode_text([text]), k, backend))
+        hits = self._hits(*self.search(engine.encode_text([text] if single else list(text)), k, backend))
+        return hits[0] if single else hits
 
     def search_image(self, image: Any, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
-                     ) -> list[tuple[str, float]]:
-        """Ranked ``(path, score)`` for an image query (a path, PIL image or array)."""
+                     ) -> list:
+        """Ranked ``(path, score)`` for an image query (a path, PIL image or array), or one list per image for a
+        list of them."""
+        single = not isinstance(image, (list, tuple))
         engine = self.engine(model_dir)
-        return self._hits(*self.search(engine.encode_image([image]), k, backend))
+        hits = self._hits(*self.search(engine.encode_image([image] if single else list(image)), k, backend))
+        return hits[0] if single else hits
 
     def engine(self, model_dir: Optional[str | Path] = None) -> QueryEngine:
         """The query engine of ``model_dir`` (default: the index's model), loaded once and kept on the index."""
@@ -78,8 +87,9 @@ class EmbeddingIndex(IndexReader):
             raise EmbeddingIndexError(f"index {self.path} does not record its model: pass model_dir")
         return Path(model_dir)
 
-    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[tuple[str, float]]:
-        return [(self.items["path"][i], float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[list[tuple[str, float]]]:
+        return [[(self.items["path"][i], float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
+                for row_ids, row_scores in zip(ids, scores)]
 
     # -- writing (see build and shards) ---------------------------------------------------------
     @classmethod
@@ -89,7 +99,8 @@ class EmbeddingIndex(IndexReader):
 
         Args:
             path: index directory.
-            model: a model directory, or an ``Embedder`` from ``clip_mini.load``.
+            model: a model directory, or an ``Embedder`` from ``clip_mini.load`` (its directory is recorded, so
+                ``search_text`` and ``clip-mini search`` find the model later).
             images: a folder (searched recursively) or a list of image files.
             captions: optional ``{path: caption}`` stored with the rows.
             **kwargs: see ``build.sync_index`` (batch_size, workers, precision, faiss, shard, ...).
@@ -114,6 +125,8 @@ def _embedder(model, kwargs: dict):
         import clip_mini
 
         return clip_mini.load(model, batch_size=kwargs.get("batch_size", 64)), {"model_dir": str(model), **kwargs}
+    if getattr(model, "model_dir", None) is not None:   # a loaded Embedder knows where it came from
+        kwargs = {"model_dir": model.model_dir, **kwargs}
     return model, kwargs
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from clip_mini.io import sha256_file
-from clip_mini.retrieval.format import EmbeddingIndexError, read_items, read_manifest
+from clip_mini.retrieval.format import EmbeddingIndexError, absolute_items, read_items, read_manifest
 
 _OPEN_RETRIES = 5
 
@@ -87,7 +87,7 @@ class IndexReader:
         if embeddings.dtype != np.float16 or embeddings.shape != want:
             raise EmbeddingIndexError(f"{emb_path} holds {embeddings.dtype} {embeddings.shape}, manifest.json says "
                                       f"float16 {want}")
-        items = read_items(path / files["items"])
+        items = absolute_items(read_items(path / files["items"]), manifest, path)
         if len(items["path"]) != want[0]:
             raise EmbeddingIndexError(f"{path / files['items']} has {len(items['path'])} rows, manifest.json "
                                       f"says {want[0]}")
@@ -106,7 +106,8 @@ class IndexReader:
         """Top-K rows by cosine similarity.
 
         Args:
-            queries: (Q, dim) or (dim,) L2-normalised query features (text or image, same model).
+            queries: (Q, dim) or (dim,) query features (text or image, same model); rows are L2-normalised here,
+                so scores are cosines whatever the caller passes.
             k: results per query (clipped to the index size).
             backend: "exact", "faiss", or "auto" (faiss when a faiss index is stored and the index has at least
                 ``search.FAISS_THRESHOLD`` rows, else exact).
@@ -120,6 +121,7 @@ class IndexReader:
             raise EmbeddingIndexError(f"unknown search backend {backend!r} (use auto, exact or faiss)")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise EmbeddingIndexError(f"k must be a positive integer, got {k!r}")
+        queries = _unit_queries(queries, self.dim)
         has_file = "faiss" in self.manifest["files"]
         if backend == "auto":
             backend = "faiss" if has_file and len(self) >= S.FAISS_THRESHOLD and S.faiss_available() else "exact"
@@ -144,3 +146,17 @@ class IndexReader:
                     raise EmbeddingIndexError(f"{self.path / name} is corrupt: its sha256 does not match manifest")
                 self._faiss = S.load_faiss(self.path / name)
         return self._faiss
+
+
+def _unit_queries(queries, dim: int) -> np.ndarray:
+    """Query rows scaled to unit length (a cosine above 1 is meaningless); a zero or non-finite row is refused."""
+    q = np.asarray(queries, dtype=np.float32)
+    if q.ndim not in (1, 2) or q.size == 0 or q.shape[-1] != dim:
+        return q   # the back end names the expected shape
+    norms = np.linalg.norm(q, axis=-1, keepdims=True)
+    bad = ~np.isfinite(norms) | (norms == 0)
+    if bad.any():
+        row = int(np.flatnonzero(bad.reshape(-1))[0])
+        raise EmbeddingIndexError(f"query row {row} is {'all zeros' if norms.reshape(-1)[row] == 0 else 'not finite'}:"
+                                  " it has no direction to search for")
+    return q / norms

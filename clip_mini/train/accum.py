@@ -68,7 +68,7 @@ def _features(model: nn.Module, batch: Batch, device: torch.device, precision: s
 
 
 def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable, device: torch.device,
-                     precision: str = "fp32") -> torch.Tensor:
+                     precision: str = "fp32", scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
     """Run forward and backward for one optimiser step; gradients are accumulated into ``.grad``.
 
     Args:
@@ -76,16 +76,20 @@ def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callab
         batches: the step's micro-batches (dicts from ``CaptionCollate``, already on ``device``).
         loss_fn: ``ClipLoss`` (gathers across ranks) or any ``f(image_features, text_features, scale, ids)``.
         device: where the batches live (selects the autocast and RNG flavour).
-        precision: "fp32" or "bf16" (autocast for the towers).
+        precision: "fp32", "bf16" or "fp16" (autocast for the towers).
+        scaler: fp16's GradScaler: gradients are accumulated scaled (the caller unscales before clipping).
 
     Returns:
-        The loss of the whole (accumulated, and under DDP global) batch, detached.
+        The loss of the whole (accumulated, and under DDP global) batch, detached (unscaled).
     """
+    def backward(loss: torch.Tensor) -> None:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
     if len(batches) == 1:
         b = batches[0]
         image_features, text_features, scale = _features(model, b, device, precision)
         loss = loss_fn(image_features, text_features, scale, b["image_ids"])
-        loss.backward()
+        backward(loss)
         return loss.detach()
 
     # 1) Features of every micro-batch without gradient: the negatives each re-forward is contrasted with.
@@ -112,6 +116,6 @@ def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callab
             all_image = torch.cat(cached_image[:j] + [image_features] + cached_image[j + 1:])   # (k*B, E)
             all_text = torch.cat(cached_text[:j] + [text_features] + cached_text[j + 1:])       # (k*B, E)
             loss = loss_fn(all_image, all_text, scale, image_ids)
-            loss.backward()
+            backward(loss)
     _rng_set(rng_after, device)
     return loss.detach()

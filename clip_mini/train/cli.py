@@ -2,12 +2,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from typing import Optional
 
 
 def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a clip_mini image-text model.")
+    from clip_mini.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=HelpFormatter,
+        description="Train a clip_mini image-text model: the config's data, model and train sections (defaults for\n"
+                    "anything it leaves out), a run directory with checkpoints, metrics, best/ and final/ models.",
+        epilog=f"examples:\n  {prog} --config configs/tiny.yaml --set train.epochs=3\n"
+               f"  {prog} --config configs/flickr8k.yaml --print-config\n  {prog} --config configs/tiny.yaml --resume")
     p.add_argument("--config", help="YAML config (e.g. configs/tiny.yaml); defaults for anything it leaves out")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. --set train.epochs=3 (repeatable)")
@@ -16,6 +25,10 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                         "intact checkpoint of train.out_dir and starts fresh if there is none; or a checkpoint "
                         "file or run directory")
     p.add_argument("--out", help="run directory (same as --set train.out_dir=...)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (every key, after --set) as YAML and exit")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars or info lines (errors and warnings only)")
     return p
 
 
@@ -34,15 +47,23 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    return run(cfg, args.resume)
+    if args.print_config:
+        from clip_mini.config import dump_config
+
+        sys.stdout.write(dump_config(cfg))
+        return 0
+    return run(cfg, args.resume, quiet=args.quiet)
 
 
-def run(cfg, resume: Optional[str]) -> int:
+def run(cfg, resume: Optional[str], quiet: bool = False) -> int:
     from clip_mini.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, is_user_error
+    from clip_mini.progress import console
     from clip_mini.train import train
 
     try:
-        train(cfg, resume=resume)
+        sink = open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout)   # quiet: no info lines
+        with console(quiet), sink as out, contextlib.redirect_stdout(out):
+            train(cfg, resume=resume)
     except KeyboardInterrupt:
         print("interrupted; continue with --resume auto", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from clip_mini.devices import enable_tf32
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -50,6 +52,7 @@ def init_distributed() -> DistInfo:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        enable_tf32(device)   # TF32 matmuls: fp32 training at several times the speed on Ampere and newer
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo")
     return DistInfo(rank, world_size, local_rank, local_world, device)

@@ -130,11 +130,12 @@ def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, devic
     model.visual.eval()
     dataset.view = view
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
-                        generator=torch.Generator())   # never moves the global RNG (exact resume)
+                        generator=torch.Generator(),   # never moves the global RNG (exact resume)
+                        pin_memory=device.type == "cuda")
     rows, oks, start = None, [], 0
     for pixels, _, ok in tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True):
         with autocast(device, precision):
-            pixels = pixels.to(device)
+            pixels = pixels.to(device, non_blocking=True)
             out = model.visual.forward_prefix(pixels, blocks) if blocks else model.visual(pixels)
         if rows is None:   # filled in place: a token view is hundreds of MB, a list + cat would hold it twice
             rows = torch.empty((len(dataset), *out.shape[1:]), dtype=dtype)
@@ -188,7 +189,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
                 dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
             what = f"token states before the last {blocks} blocks" if blocks else "image features"
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
-                               cfg.data.workers, desc=f"frozen {what} ({split}, view {view + 1}/{views})",
+                               cfg.data.workers or 0, desc=f"frozen {what} ({split}, view {view + 1}/{views})",
                                blocks=blocks)
             if write:
                 with atomic_path(path) as tmp:

@@ -124,7 +124,7 @@ def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tok
 
         steps = cfg.data.samples // (world_size * t.batch_size * t.accum_freq)
         return WdsTrainInputs(split_shards(cfg.data)[0], augment, CaptionCollate(tokenizer, max_length),
-                              t.batch_size, t.accum_freq, cfg.data.workers, steps, t.seed, rank, world_size,
+                              t.batch_size, t.accum_freq, cfg.data.workers or 0, steps, t.seed, rank, world_size,
                               cfg.data.shuffle_buffer)
     dataset = EpochDataset(CaptionDataset(df, augment, cache=cache), augment, cfg.train.seed)
     sampler = OneCaptionPerImageSampler(df["image_id"].tolist(), seed=cfg.train.seed, rank=rank,
@@ -132,4 +132,4 @@ def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tok
     t = cfg.train
     steps = len(sampler) // (t.batch_size * t.accum_freq)
     return TrainInputs(dataset, sampler, CaptionCollate(tokenizer, max_length), t.batch_size, t.accum_freq,
-                       cfg.data.workers, steps)
+                       cfg.data.workers or 0, steps)   # None (auto) is resolved by train(): 0 when called directly

@@ -6,6 +6,7 @@ per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -55,7 +56,10 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
 
 
 def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) -> dict:
-    # -- set-up: threads, run directory, resume point --------------------------------------------------------
+    # -- set-up: threads, loader workers, run directory, resume point ----------------------------------------
+    if cfg.data.workers is None:   # auto: a GPU step outruns one process decoding its images; a CPU's does not
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=4 if info.device.type == "cuda"
+                                                                 else 0))
     t, main, device = cfg.train, info.is_main, info.device
     torch.set_num_threads(t.threads or default_threads(info))
     run, t0 = Path(t.out_dir), time.time()
@@ -137,9 +141,14 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         if main:
             ckpt_io.save_checkpoint(run / "checkpoints", {
                 **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": ckpt_io.rng_state(), "config": cfg.to_dict(), "total_steps": total}, t.keep_checkpoints)
+                "rng": ckpt_io.rng_state(), "config": cfg.to_dict(), "total_steps": total,
+                **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}, t.keep_checkpoints)
 
     params = [p for p in model.parameters() if p.requires_grad]
+    # fp16 needs loss scaling (its range underflows small gradients); disabled, the scaler passes everything through
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    if ckpt and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
     stopped = False
     while state["epoch"] < t.epochs and state["step"] < total and not stopped:
         epoch = state["epoch"]
@@ -153,16 +162,19 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             lr = set_lr(optimizer, lr_factor(state["step"], total, t.warmup_steps, t.min_lr_ratio))
             # forward / backward over the whole accumulated (and, distributed, global) batch
             micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micro]
-            loss = forward_backward(features, micro, loss_fn, device, t.precision)
-            # clip, and guard: a non-finite loss or gradient is never applied
+            loss = forward_backward(features, micro, loss_fn, device, t.precision, scaler)
+            # clip (true gradient units: unscaled first), and guard: a non-finite loss or gradient is never applied
+            scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or math.inf)
             if torch.isfinite(loss) and torch.isfinite(grad_norm):
-                optimizer.step()
+                scaler.step(optimizer)   # optimizer.step() unless fp16
                 model.clamp_logit_scale()
                 state["bad_steps"] = 0
                 state["epoch_loss"] = [state["epoch_loss"][0] + loss.item(), state["epoch_loss"][1] + 1]
-            else:
+            elif not (scaler.is_enabled() and torch.isfinite(loss)):
                 _skip_step(state, loss, grad_norm, t.max_bad_steps, main)
+            # (an fp16 gradient overflow under a finite loss is the scaler's to handle: it lowers the scale)
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
             state["pos"] += 1
@@ -206,7 +218,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         trained = _provenance(state["step"], state["epoch"], _last_val(log), t)
         model.save_pretrained(run / "final", extra={"trained": trained})
         print(summary_table(log.rows, t.best_metric))
-        print(f"best {t.best_metric} = {state['best']}; model directories: {run / 'best'}, {run / 'final'} "
+        best = "none" if state["best"] is None else f"{state['best']:.4g}"
+        print(f"best {t.best_metric} = {best}; model directories: {run / 'best'}, {run / 'final'} "
               f"({time.time() - t0:.0f} s)")
     barrier()
     return {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
@@ -276,7 +289,7 @@ def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog,
     tower = val_tower_features(model, frozen_feats["val"], t.eval_batch_size, device, t.precision) \
         if frozen_feats else None   # stored token states go through the current (fine-tuned) last blocks
     val = evaluate_model(model, df, transform, batch_size=t.eval_batch_size, cache=cache, device=device,
-                         precision=t.precision, workers=cfg.data.workers, tower_features=tower)
+                         precision=t.precision, workers=cfg.data.workers or 0, tower_features=tower)
     total, n = state["epoch_loss"]
     log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
              **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start})
