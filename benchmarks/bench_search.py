@@ -1,14 +1,18 @@
-"""Search latency over stored float16 embeddings: exact vs faiss, with faiss recall@10 and a bandwidth floor.
+"""Search latency over stored float16 embeddings: exact kernels against the memory floor, and faiss.
 
-    python benchmarks/bench_search.py [--sizes 10000 100000 1000000] [--dim 128] [--repeats 7]
+    python benchmarks/bench_search.py [--sizes 10000 100000 1000000] [--dim 256] [--repeats 7]
 
-For each size N: clustered unit vectors (1000 centres plus noise, like real embeddings) are written as a float16
-``.npy`` and memory-mapped, as ``EmbeddingIndex`` does. Queries are noisy copies of random rows. Reported per
-back end: p50/p95 latency for 1 and 64 queries (warm page cache; p50 of ``repeats`` runs), build time for faiss,
-faiss recall@10 against exact search, and the memory-bandwidth floor: the time to read the embedding matrix once
-(any exact method must touch every byte). HNSW is skipped above 200k rows (its build alone would take minutes
-on 2 cores); IVF covers the 1M case. Writes ``benchmarks/results/search.json``. On a shared machine run it with
-``OPENBLAS_NUM_THREADS=1``: spin-waiting BLAS threads fighting other jobs for the cores distort small products.
+For each size N: clustered unit vectors (1000 centres plus noise) are written as a float16 ``.npy`` and
+memory-mapped, as ``EmbeddingIndex`` does. Queries are random unit vectors. Reported (warm page cache; p50 of
+``repeats`` runs): the memory-bandwidth floor (the time to read the matrix once: any exact method must touch every
+byte); ``exact_search`` with its numpy kernel (what a one-shot CLI query uses) and its torch kernel (approximate
+pass + exact re-scoring), for 1 and 64 queries, with recall@10 of the torch kernel against the numpy float32
+brute force; and the fused options the torch kernel was chosen from (``options``): torch's fp16 matrix-vector
+product, the same over a bfloat16 copy (bf16 storage), and a bf16 matrix product for 64 queries. faiss here uses
+near-copies of stored rows as queries, which flatters it: ``bench_ann_real.py`` measures approximate search on
+text-like queries. HNSW is skipped above 200k rows (its build alone takes minutes on 2 cores).
+Writes ``benchmarks/results/search.json``. On a shared machine run it with ``OPENBLAS_NUM_THREADS=1``:
+spin-waiting BLAS threads fighting other jobs for the cores distort small products.
 """
 from __future__ import annotations
 
@@ -65,18 +69,50 @@ def recall_at_10(approx: np.ndarray, exact: np.ndarray) -> float:
     return float(np.mean([len(set(a) & set(b)) / exact.shape[1] for a, b in zip(approx, exact)]))
 
 
+def fused_options(emb: np.ndarray, q: np.ndarray, repeats: int) -> dict:
+    """The kernels the torch exact path was chosen from, each over the whole matrix (no re-scoring)."""
+    import torch
+
+    E = torch.from_numpy(np.asarray(emb).view(np.int16)).view(torch.float16)
+    qh, qb = torch.from_numpy(q).half(), torch.from_numpy(q).bfloat16()
+    Eb = E.bfloat16()   # bf16 storage: what a bfloat16 embeddings file would hold
+    chunk = 4096
+
+    def bf16_via_fp32():
+        for s in range(0, len(E), chunk):
+            E[s:s + chunk].float().bfloat16() @ qb.T
+
+    with torch.inference_mode():
+        out = {"fp16_mv_q1": latencies(lambda: torch.mv(E, qh[0]), repeats),
+               "bf16_storage_mv_q1": latencies(lambda: torch.mv(Eb, qb[0]), repeats),
+               "bf16_storage_mm_q64": latencies(lambda: Eb @ qb.T, repeats),
+               "fp16_to_bf16_chunks_mm_q64": latencies(bf16_via_fp32, repeats)}
+    return out
+
+
 def bench_size(n: int, dim: int, repeats: int, tmp: Path) -> dict:
     path = tmp / f"emb-{n}.npy"
     np.save(path, clustered(n, dim))
     emb = np.load(path, mmap_mode="r")
     rng = np.random.default_rng(1)
-    q = np.asarray(emb[rng.integers(0, n, 64)], np.float32) + 0.05 * rng.standard_normal((64, dim)).astype(np.float32)
-    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    qr = rng.standard_normal((64, dim)).astype(np.float32)
+    qr /= np.linalg.norm(qr, axis=1, keepdims=True)
     reps = max(3, repeats if n <= 100_000 else repeats // 2)
     out: dict = {"n": n, "dim": dim, "bytes": int(emb.nbytes), "read_floor": read_floor(emb, reps)}
+    ref = {m: exact_search(emb, qr[:m], 10, kernel="numpy")[1] for m in (1, 64)}
+    out["exact_numpy"] = {f"q{m}": latencies(lambda: exact_search(emb, qr[:m], 10, kernel="numpy"), reps)
+                          for m in (1, 64)}
+    out["exact_torch"] = {f"q{m}": {**latencies(lambda: exact_search(emb, qr[:m], 10, kernel="torch"), reps),
+                                    "recall_at_10": recall_at_10(exact_search(emb, qr[:m], 10, kernel="torch")[1],
+                                                                 ref[m])} for m in (1, 64)}
+    floor = out["read_floor"]["p50_ms"]
+    out["exact_torch"]["q1"]["x_read_floor"] = round(out["exact_torch"]["q1"]["p50_ms"] / floor, 2)
+    out["exact_numpy"]["q1"]["x_read_floor"] = round(out["exact_numpy"]["q1"]["p50_ms"] / floor, 2)
+    out["options"] = fused_options(emb, qr, reps)
+    # faiss with near-copies of stored rows as queries (noise 0.05)
+    q = np.asarray(emb[rng.integers(0, n, 64)], np.float32) + 0.05 * rng.standard_normal((64, dim)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
     _, exact_ids = exact_search(emb, q, 10)
-    out["exact"] = {"q1": latencies(lambda: exact_search(emb, q[:1], 10), reps),
-                    "q64": latencies(lambda: exact_search(emb, q, 10), reps)}
     if not faiss_available():
         return out
     for kind in ("hnsw", "ivf"):
@@ -99,13 +135,20 @@ def bench_size(n: int, dim: int, repeats: int, tmp: Path) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dim", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice; 1 on a "
+                   "busy shared machine, where threads waiting for a descheduled sibling cost tens of ms per op)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/search.json"))
     args = p.parse_args(argv)
     # The load average is recorded because a shared machine's other work distorts small timings badly (OpenBLAS
     # threads spin-waiting for a busy core can turn a 0.2 ms product into 15 ms).
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
+                          "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                           "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
                           "loadavg_start": os.getloadavg()[0]}, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:

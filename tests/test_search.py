@@ -180,3 +180,28 @@ def test_compositional_split_pairs_never_seen_in_training(trained_model_dir, sha
     m = json.loads(capsys.readouterr().out)
     assert m["n_images"] == comp["image"].nunique() == 300 and m["n_captions"] == len(comp)
     assert m["t2i_r10"] > 0.4 and m["i2t_r10"] > 0.3   # chance 10/300; measured 0.70 and 0.54
+
+
+@pytest.mark.parametrize("n_queries", [1, 3, 9])
+def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    from clip_mini.retrieval import search as S
+
+    # Small chunks so several chunks, their merge and the near-tie fallback all run on a small matrix.
+    monkeypatch.setattr(S, "_BIG_CHUNK", 700)
+    monkeypatch.setattr(S, "_BF16_CHUNK", 300)
+    rng = np.random.default_rng(5)
+    emb = _unit(rng, 3000, 24)
+    emb[1000:1040] = emb[7]   # 41 identical rows: ties broken by row id, and one chunk holds more near-ties
+    q = _unit(rng, n_queries, 24)   # than its short list, which forces the exact fallback
+    q[0] = emb[7]
+    np.save(tmp_path / "e.npy", emb.astype(np.float16))
+    mm = np.load(tmp_path / "e.npy", mmap_mode="r")
+    for k in (1, 10, 50):
+        scores, ids = exact_search(mm, q, k=k, kernel="torch")
+        ref_s, ref_i = _brute(np.asarray(mm), q, k)
+        np.testing.assert_array_equal(ids, ref_i)
+        np.testing.assert_allclose(scores, ref_s, atol=1e-6)
+    assert ids[0, :41].tolist() == [7] + list(range(1000, 1040))
+    with pytest.raises(ValueError, match="unknown exact-search kernel"):
+        exact_search(mm, q, kernel="fp16")

@@ -1,9 +1,17 @@
 """Search back ends over stored float16 embeddings: exact (chunked matrix product) and faiss (HNSW or IVF).
 
-Exact search reads the (N, d) float16 matrix chunk by chunk (a memory map, so an index larger than RAM works),
-converts each chunk to float32 in a reused cache-sized buffer (fp16 arithmetic is emulated on CPUs without
-AVX512-FP16 and ~100x slower) and scores it with one BLAS product. Top-K is kept with ``argpartition``; only
-scores above the running K-th best are looked at, so after the first chunks the bookkeeping is one comparison.
+Exact search has two kernels, with the same results (the float32 top-K, ties by row id):
+
+* numpy (always available, and what a one-shot ``clip-mini search`` uses: importing torch costs seconds): each
+  chunk of the (N, d) float16 matrix (a memory map, so an index larger than RAM works) is converted to float32 in
+  a reused cache-sized buffer and scored with one BLAS product; top-K is kept with ``argpartition``.
+* torch (used when torch is already imported, as in a server or a notebook, or asked for): a cheap approximate
+  pass over the whole matrix, then exact float32 re-scoring of a short list. One or a few queries: torch's float16
+  matrix-vector product (float32 accumulation, read at close to memory speed; its float16 outputs are within
+  ``_FP16_MARGIN``). More queries: each cache-sized chunk goes float16 -> float32 -> bfloat16 and through a bf16
+  matrix product (AMX/AVX512-BF16 on this CPU, ~4x fp32), whose error is at most ``_BF16_MARGIN``. Every row whose
+  approximate score is within that bound of the approximate K-th best is re-scored exactly, so no true top-K row
+  can be missed. fp16 arithmetic itself is never used: without native support it is emulated and ~100x slower.
 
 faiss (``pip install 'clip-mini[faiss]'``) is approximate and worth it for large indexes: its stored graph or
 inverted lists avoid touching every row. It is imported only when used.
@@ -11,6 +19,8 @@ inverted lists avoid touching every row. It is imported only when used.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -27,7 +37,10 @@ FAISS_THRESHOLD = 500_000
 # Figures: benchmarks/results/index_10m.json (benchmarks/bench_index_10m.py).
 IVFPQ_THRESHOLD = 2_000_000
 IVFPQ_MIN_ROWS = 10_000   # PQ's 256 centroids per sub-vector need ~39 training rows each
-RERANK = 10               # IVF-PQ candidates per wanted result, re-scored exactly
+# IVF-PQ candidates per wanted result, re-scored exactly: 10 gave recall@10 0.92 at 300k clustered rows but 0.68
+# at 1M (near neighbours' scores crowd together as an index grows, finer than 8-bit PQ codes resolve); 50 costs
+# ~1 ms more a query (500 rows read from the memory map) and holds recall (benchmarks/results/index_10m.json)
+RERANK = 50
 
 
 def _check_queries(queries: np.ndarray, dim: int, k: int) -> np.ndarray:
@@ -47,16 +60,18 @@ def _sort_topk(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.take_along_axis(scores, order, -1), np.take_along_axis(ids, order, -1)
 
 
-def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk_rows: int | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk_rows: int | None = None,
+                 kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """Exact inner-product top-K.
 
     Args:
         embeddings: (N, d) stored rows (float16 memmap or any array), L2-normalised.
         queries: (Q, d) or (d,) float32, L2-normalised.
         k: results per query; clipped to N.
-        chunk_rows: rows scored per step (default: an 8 MB float32 block, which stays in cache between the
-            conversion and the product).
+        chunk_rows: rows scored per step of the numpy kernel (default: an 8 MB float32 block, which stays in cache
+            between the conversion and the product).
+        kernel: "numpy", "torch", or "auto" (torch when it is already imported and the matrix is float16 with at
+            least ``TORCH_MIN_ROWS`` rows; see the module docstring).
 
     Returns:
         ``scores`` (Q, k) float32 cosine similarities, best first, and ``ids`` (Q, k) int64 row numbers.
@@ -64,6 +79,13 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     n, dim = embeddings.shape
     queries = _check_queries(queries, dim, k)
     k = min(k, n)
+    if kernel not in ("auto", "numpy", "torch"):
+        raise ValueError(f"unknown exact-search kernel {kernel!r} (use auto, numpy or torch)")
+    if kernel == "auto":
+        kernel = "torch" if ("torch" in sys.modules and n >= TORCH_MIN_ROWS
+                             and embeddings.dtype == np.float16) else "numpy"
+    if kernel == "torch":
+        return _exact_torch(embeddings, queries, k)
     chunk_rows = max(chunk_rows or (1 << 21) // dim, 1)
     # Buffers reused for every chunk: fresh arrays per chunk cost page faults that dominate the arithmetic.
     block = np.empty((min(chunk_rows, n), dim), np.float32)
@@ -94,6 +116,77 @@ def _merge_chunk(best_s: np.ndarray, best_i: np.ndarray, sims: np.ndarray, offse
         cand_i = np.concatenate([best_i[q], c.astype(np.int64) + offset])
         top = np.argpartition(cand_s, -k)[-k:]
         best_s[q], best_i[q] = cand_s[top], cand_i[top]
+
+
+# -- torch: approximate pass, exact re-scoring ------------------------------------------------------------------
+TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
+_MV_MAX_QUERIES = 4       # up to this many queries: one fp16 matrix-vector product each (memory-bound)
+# Error bounds of the approximate scores for unit rows and queries (|sum e_i q_i| <= sum |e_i q_i| <= 1):
+# fp16 mv rounds the query and the result to fp16 (2^-11 relative each) and accumulates in fp32;
+# bf16 rounds both operands to 8 significant bits (2^-9 relative each), products summed in fp32.
+_FP16_MARGIN = 2e-3
+_BF16_MARGIN = 8e-3
+_BIG_CHUNK = 1 << 18      # rows per fp16 mv call (128 MB at d=256: the page cache streams a larger-than-RAM map)
+_BF16_CHUNK = 4096        # rows per bf16 product: the fp32 and bf16 copies stay in the L2 cache
+
+
+def _exact_torch(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    import torch
+
+    with warnings.catch_warnings():   # torch warns about read-only memory maps; nothing writes to it
+        warnings.simplefilter("ignore")
+        E = torch.from_numpy(np.asarray(embeddings).view(np.int16)).view(torch.float16)   # (N, d), no copy
+    few = len(queries) <= _MV_MAX_QUERIES
+    margin = _FP16_MARGIN if few else _BF16_MARGIN
+    q = torch.from_numpy(queries)
+    qh, qb = q.half(), q.bfloat16()
+
+    def approx(start: int, stop: int) -> torch.Tensor:   # (Q, rows) approximate scores, fp16 or bf16
+        chunk = E[start:stop]
+        if few:
+            return torch.stack([torch.mv(chunk, qh[j]) for j in range(len(queries))])
+        return qb @ chunk.float().bfloat16().T   # bf16 result: its rounding is inside the margin too
+
+    # Pass 1: each chunk's top `keep` approximate scores (one topk per chunk: cheap, no scans of the scores).
+    step, keep = (_BIG_CHUNK, k + 32) if few else (_BF16_CHUNK, k + 32)
+    spans, tops = [], []
+    with torch.inference_mode():
+        for start in range(0, len(E), step):
+            a = approx(start, start + step)
+            v, i = torch.topk(a, min(keep, a.shape[1]), dim=1)   # (Q, keep) each
+            spans.append((start, start + a.shape[1]))
+            tops.append((v.float(), i + start))
+        vals = torch.cat([v for v, _ in tops], 1)
+        kth = torch.topk(vals, k, dim=1).values[:, -1:]   # (Q, 1) approximate K-th best over all rows
+        floor = kth - margin
+        cand_q, cand_i = [], []
+        for (start, stop), (v, i) in zip(spans, tops):
+            if v.shape[1] == stop - start or bool((v[:, -1:] < floor).all()):
+                # Everything this chunk left out scores below the K-th best minus the margin: its top list is
+                # complete. Otherwise (many near-ties in one chunk) take every row above the floor.
+                qs, cols = torch.nonzero(v >= floor, as_tuple=True)
+                cand_q.append(qs)
+                cand_i.append(i[qs, cols])
+            else:
+                qs, rows = torch.nonzero(approx(start, stop).float() >= floor, as_tuple=True)
+                cand_q.append(qs)
+                cand_i.append(rows + start)
+    return _rescore(embeddings, queries, torch.cat(cand_q).numpy(), torch.cat(cand_i).numpy(), k)
+
+
+def _rescore(embeddings: np.ndarray, queries: np.ndarray, cq: np.ndarray, ci: np.ndarray, k: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact float32 scores of the short-listed (query, row) pairs, then each query's top-K (ties by row id)."""
+    scores = np.empty((len(queries), k), np.float32)
+    ids = np.empty((len(queries), k), np.int64)
+    for j in range(len(queries)):
+        rows = np.unique(ci[cq == j])                      # sorted: the memory map is read in order
+        # float64 products rounded once: equal rows get equal scores (a float32 BLAS call can round the rows of
+        # one product differently, by where each falls in its vector blocks), so ties really go by row id.
+        s = (np.asarray(embeddings[rows], dtype=np.float64) @ queries[j].astype(np.float64)).astype(np.float32)
+        order = np.lexsort((rows, -s))[:k]
+        scores[j], ids[j] = s[order], rows[order]
+    return scores, ids
 
 
 # -- faiss ---------------------------------------------------------------------------------------------------
