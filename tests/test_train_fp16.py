@@ -1,0 +1,34 @@
+"""fp16 training with a GradScaler (for GPUs without bf16), exercised on the CPU: it trains, never counts the
+scaler's overflow steps as bad steps, checkpoints the scaler and resumes from it."""
+import numpy as np
+import pytest
+
+from clip_mini.config import load_config
+
+TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
+        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
+        "model.text.hidden_dim=64", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=16",
+        "data.val=12", "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1",
+        "train.threads=1", "train.eval_batch_size=64", "train.precision=fp16", "train.epochs=2"]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    from clip_mini.data import generate
+
+    return generate(tmp_path_factory.mktemp("data") / "shapes", n=60, seed=0, size=32)
+
+
+@pytest.mark.slow   # fp16 arithmetic is emulated on this CPU: ~30 s for a few steps
+def test_fp16_trains_checkpoints_the_scaler_and_resumes(shapes, tmp_path):
+    from clip_mini.train import train
+    from clip_mini.train.checkpoint import load_checkpoint, read_index
+
+    cfg = load_config(None, TINY + [f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / 'run'}"])
+    paused = train(cfg, stop_after=2)
+    assert paused["stopped"] and paused["step"] == 2
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoints" / read_index(tmp_path / "run" / "checkpoints")["latest"])
+    assert ckpt["scaler"]["scale"] > 0 and "_growth_tracker" in ckpt["scaler"]
+    done = train(cfg, resume="auto")
+    assert not done["stopped"] and done["step"] > 2 and np.isfinite(done["val"]["loss"])
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
