@@ -269,6 +269,7 @@ def test_host_header_checked_on_loopback(small_index):
 
 # -- generations -----------------------------------------------------------------------------------------------
 def _generation_files(index_dir: Path, gen: int):
+    """One generation's rows and item paths, read straight from its files (paths as stored: maybe relative)."""
     from clip_mini.retrieval.format import read_items
 
     return (np.load(index_dir / f"embeddings-{gen}.npy"), read_items(index_dir / f"items-{gen}.csv")["path"])
@@ -315,7 +316,7 @@ def test_reload_while_clip_mini_index_add_runs(model_dir, tmp_path):
         for q, a in ((q, a) for q, a in answers if a["generation"] == gen):
             scores, ids = exact_search(emb, engine.encode_text([q]), 8)
             assert [h["id"] for h in a["results"]] == ids[0].tolist()
-            assert [h["path"] for h in a["results"]] == [paths[j] for j in ids[0]]
+            assert [Path(h["path"]).name for h in a["results"]] == [Path(paths[j]).name for j in ids[0]]
             np.testing.assert_allclose([h["score"] for h in a["results"]], scores[0], atol=1e-5)
 
 
@@ -350,6 +351,50 @@ def test_index_of_another_model_is_refused(model_dir, other_model_dir, tmp_path)
     from clip_mini.cli import main
 
     assert main(["serve", "--index", str(tmp_path / "index"), "--model", str(model_dir)]) == 2
+
+
+def test_batcher_searches_waiting_queries_together(small_index):
+    """Queries that arrive while a search runs are answered by one search, each exactly as if alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from clip_mini.retrieval.index import EmbeddingIndex
+    from clip_mini.serve.batching import SearchBatcher
+    from clip_mini.serve.generations import IndexWatcher
+
+    gen = IndexWatcher(small_index, EmbeddingIndex.load(small_index).fingerprint).current
+    assert gen.rows32 is not None and gen.rows32.dtype == np.float32
+    gate, calls = threading.Event(), []
+
+    def search(g, queries, k):
+        calls.append(len(queries))
+        if len(calls) == 1:
+            gate.wait(60)   # hold the first batch so the others queue up behind it
+        if len(calls) == 3:
+            raise RuntimeError("search failed")
+        return g.search(queries, k)
+
+    batcher = SearchBatcher(lambda: gen, search)
+    rng = np.random.default_rng(0)
+    queries = rng.standard_normal((9, gen.index.dim)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    ks = [3, 1, 12, 5, 2, 7, 4, 12, 9]
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(batcher.search, queries[0], ks[0])]
+        while calls != [1]:
+            time.sleep(0.01)
+        futures += [pool.submit(batcher.search, q, k) for q, k in zip(queries[1:], ks[1:])]
+        while batcher._queue.qsize() < 8:
+            time.sleep(0.01)
+        gate.set()
+        answers = [f.result(timeout=60) for f in futures]
+    assert calls == [1, 8] and batcher.batches == 2 and batcher.queries == 9
+    for q, k, (g, scores, ids) in zip(queries, ks, answers):
+        want_scores, want_ids = gen.index.search(q[None], k)   # the library alone, on the float16 rows
+        assert g is gen and ids.tolist() == want_ids[0].tolist()
+        np.testing.assert_allclose(scores, want_scores[0], atol=1e-6)
+    with pytest.raises(RuntimeError, match="search failed"):   # an error reaches the request ...
+        batcher.search(queries[0], 3)
+    assert batcher.search(queries[0], 3)[2].tolist() == answers[0][2].tolist()   # ... and the thread lives on
 
 
 # -- the command -------------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from clip_mini.data.images import ImageError
 from clip_mini.embed import InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
-from clip_mini.serve.generations import Generation, IndexWatcher
+from clip_mini.serve.batching import SearchBatcher
+from clip_mini.serve.generations import Generation, IndexWatcher, uses_faiss
 from clip_mini.serve.limits import BodyTooLarge, LimitBody
 from clip_mini.serve.pictures import AttentionRenderer, decode_upload, original, thumbnail_jpeg
 
@@ -53,6 +54,7 @@ class ServeConfig:
     max_query_chars: int = 1000             # captions are truncated to a few dozen tokens anyway
     max_k: int = 100
     max_upload_bytes: int = 10 << 20        # the image itself; a base64 JSON body may be 4/3 of this
+    float32_cache_bytes: int = 2 << 30      # float32 copy of the rows for exact search up to this size
     allowed_hosts: list[str] = field(default_factory=lambda: ["*"])
 
 
@@ -77,7 +79,9 @@ class Service:
         self.model_dir = str(model_dir)
         self.engine = QueryEngine.load(self.model_dir)
         self.engine.encode_text(["warm up"])   # loads and checksums the text tower now, not on the first query
-        self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify)
+        self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify,
+                                    cfg.float32_cache_bytes)
+        self.batcher = SearchBatcher(lambda: self.watcher.current, lambda gen, q, k: gen.search(q, k))
         self.attention = AttentionRenderer(self.model_dir)
 
     # -- search ---------------------------------------------------------------------------------------------
@@ -114,11 +118,11 @@ class Service:
         return self._results(features, k, start, {"query": None, "image": name})
 
     def _results(self, features: np.ndarray, k: int, start: float, head: dict) -> dict:
-        gen = self.watcher.current   # one generation for the whole answer: ids, paths and scores agree
+        # One generation for the whole answer: ids, paths and scores agree (the batcher searched that one).
+        gen, scores, ids = self.batcher.search(features, k)
         index = gen.index
-        scores, ids = index.search(features, k)
         results = []
-        for rank, (i, s) in enumerate(((int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0), 1):
+        for rank, (i, s) in enumerate(((int(i), float(s)) for i, s in zip(ids, scores) if i >= 0), 1):
             hit = {"rank": rank, "id": i, "path": index.items["path"][i], "score": round(s, 6)}
             if index.items["caption"][i]:
                 hit["caption"] = index.items["caption"][i]
@@ -159,20 +163,15 @@ class Service:
         return {"model_dir": self.model_dir, "model_fingerprint": self.engine.fingerprint,
                 "index": str(gen.index.path), "index_size": len(gen.index), "dim": gen.index.dim,
                 "generation": gen.number, "loaded_at": gen.loaded_at, "reload_error": self.watcher.reload_error,
-                "backend": _backend_name(self.engine, gen), "limits": {
-                    "max_k": self.cfg.max_k, "max_query_chars": self.cfg.max_query_chars,
-                    "max_upload_bytes": self.cfg.max_upload_bytes}}
+                "backend": {"query_encoder": type(self.engine).__name__,
+                            "search": "faiss" if uses_faiss(gen.index) else "exact",
+                            "float32_rows_in_memory": gen.rows32 is not None,
+                            "batches": self.batcher.batches, "batched_queries": self.batcher.queries},
+                "limits": {"max_k": self.cfg.max_k, "max_query_chars": self.cfg.max_query_chars,
+                           "max_upload_bytes": self.cfg.max_upload_bytes}}
 
 
 _CACHE = {"Cache-Control": "private, max-age=3600"}   # safe: a (row, generation) pair never changes meaning
-
-
-def _backend_name(engine, gen: Generation) -> dict:
-    from clip_mini.retrieval import search as S
-
-    files = gen.index.manifest["files"]
-    exact = not ("faiss" in files and len(gen.index) >= S.FAISS_THRESHOLD and S.faiss_available())
-    return {"query_encoder": type(engine).__name__, "search": "exact" if exact else "faiss"}
 
 
 # -- the app ----------------------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ reference: one assignment, so a request that took ``current`` keeps a single con
 life, and requests never wait for a load. A generation that fails to open leaves the old one serving and is
 reported in ``reload_error`` (``/api/info``).
 
+Exact search over the stored float16 rows is dominated by converting them to float32 on every query; a server
+searches the same rows thousands of times, so each generation keeps a float32 copy in memory when it fits
+``float32_cache_bytes`` (100k rows of 128 floats: 51 MB). Conversion is exact: the scores are the same.
+
 Row ids are only meaningful within a generation (an added file shifts the rows after it), so the previous
 generation is kept too: a page that got ``/thumb/12?gen=3`` from a search just before a reload still gets the
 image it was shown.
@@ -21,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
+from clip_mini.retrieval import search as S
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.retrieval.index import EmbeddingIndex
 
@@ -35,6 +42,13 @@ class Generation:
     index: EmbeddingIndex
     stamp: tuple   # (inode, mtime_ns, size) of manifest.json when this generation was read
     loaded_at: float
+    rows32: Optional[np.ndarray] = None   # float32 copy of the rows for exact search, when it fits the cache
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``index.search`` (back end "auto"), on the float32 copy when there is one."""
+        if self.rows32 is not None:
+            return S.exact_search(self.rows32, queries, min(k, len(self.index)))
+        return self.index.search(queries, k)
 
     @property
     def number(self) -> int:
@@ -49,10 +63,13 @@ class IndexWatcher:
         fingerprint: the query model's fingerprint; a generation built by another model is refused.
         poll_s: seconds between manifest checks in the background thread (``start``); ``refresh`` checks now.
         verify: check the data files' sha256 when opening a generation.
+        float32_cache_bytes: keep a float32 copy of a generation's rows up to this size (0: never).
     """
 
-    def __init__(self, path: str | Path, fingerprint: str, poll_s: float = 1.0, verify: bool = True):
+    def __init__(self, path: str | Path, fingerprint: str, poll_s: float = 1.0, verify: bool = True,
+                 float32_cache_bytes: int = 2 << 30):
         self.path, self.fingerprint, self.poll_s, self.verify = Path(path), fingerprint, poll_s, verify
+        self.float32_cache_bytes = float32_cache_bytes
         self.reload_error: Optional[str] = None
         self._failed_stamp: Optional[tuple] = None
         self._lock = threading.Lock()   # one reload at a time; readers never take it
@@ -69,7 +86,10 @@ class IndexWatcher:
     def _open(self, stamp: tuple) -> Generation:
         index = EmbeddingIndex.load(self.path, verify=self.verify)
         index.check_model(self.fingerprint, "the server's model")
-        return Generation(index, stamp, time.time())
+        rows32 = None
+        if not uses_faiss(index) and len(index) * index.dim * 4 <= self.float32_cache_bytes:
+            rows32 = np.asarray(index.embeddings, dtype=np.float32)
+        return Generation(index, stamp, time.time(), rows32)
 
     def generation(self, number: Optional[int]) -> Optional[Generation]:
         """The current generation (``number`` None) or a recent one by number; None once it has been dropped."""
@@ -95,7 +115,7 @@ class IndexWatcher:
                 return False
             self.reload_error, self._failed_stamp = None, None
             if new.number == self.current.number:   # the same generation re-published (e.g. touched): keep rows
-                self.current = Generation(self.current.index, stamp, self.current.loaded_at)
+                self.current = Generation(self.current.index, stamp, self.current.loaded_at, self.current.rows32)
                 return False
             recent = {n: g for n, g in self._recent.items() if n != new.number}
             recent[new.number] = new
@@ -123,3 +143,8 @@ class IndexWatcher:
             except Exception as e:   # a bug here must not silently end reloading: log it and keep polling
                 self.reload_error = f"reload failed: {type(e).__name__}: {e}"
                 log.exception("index reload failed")
+
+
+def uses_faiss(index: EmbeddingIndex) -> bool:
+    """Whether ``index.search(..., backend="auto")`` answers from its stored faiss index."""
+    return ("faiss" in index.manifest["files"] and len(index) >= S.FAISS_THRESHOLD) and S.faiss_available()

@@ -1,0 +1,158 @@
+"""Load on `clip-mini serve`: concurrent clients on loopback sending text queries; throughput and latency.
+
+    python benchmarks/bench_serve.py [--sizes 10000 100000] [--clients 1 8 32] [--seconds 8] [--workers 1]
+
+For each index size a model directory with the ``configs/tiny.yaml`` architecture (untrained: speed does not
+depend on the weights) and a synthetic index of random unit rows are made as ``bench_startup.py`` makes them.
+``clip-mini serve`` runs as its own process on a free 127.0.0.1 port; this process drives C concurrent clients
+(asyncio + httpx, one connection each, keep-alive) for a fixed time after a warm-up, each sending
+``GET /api/search?q=...&k=10`` with captions drawn from a fixed list, back to back. Reported per (size, clients):
+requests, failures (any non-200 answer or transport error), requests/s, and p50/p90/p99/max latency as the client
+sees it. Clients and server share the machine's cores, so the figures are a floor for a dedicated server.
+Bounded: at most ``--max-clients`` clients and ``--seconds`` per point. Writes ``benchmarks/results/serve.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_startup import make_index, make_model  # noqa: E402
+from repo_paths import scrub_paths  # noqa: E402
+
+CAPTIONS = [f"a {size} {colour} {shape} {where}" for size in ("small", "large") for colour in
+            ("red", "green", "blue", "yellow") for shape in ("circle", "square", "star") for where in
+            ("on the left", "in the center", "at the bottom")] + [
+    "a dog running on grass", "two children playing in the water at the beach", "a man riding a bicycle"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(index: Path, workers: int) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clip_mini", "serve", "--index", str(index), "--port", str(port),
+                             "--workers", str(workers)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"clip-mini serve exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("clip-mini serve did not answer within 300 s")
+
+
+async def _client(http, url: str, stop_at: float, seed: int, latencies: list, failures: list) -> None:
+    rng = np.random.default_rng(seed)
+    while time.perf_counter() < stop_at:
+        q = CAPTIONS[rng.integers(len(CAPTIONS))]
+        t = time.perf_counter()
+        try:
+            r = await http.get(f"{url}/api/search", params={"q": q, "k": 10})
+            ok = r.status_code == 200 and len(r.json()["results"]) == 10
+            if not ok:
+                failures.append(f"HTTP {r.status_code}: {r.text[:200]}")
+        except Exception as e:   # a transport error is a failed request, counted and shown
+            ok = False
+            failures.append(f"{type(e).__name__}: {e}")
+        if ok:
+            latencies.append(time.perf_counter() - t)
+
+
+async def drive(url: str, clients: int, seconds: float, warmup: float) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+        await asyncio.gather(*(_client(http, url, time.perf_counter() + warmup, i, [], [])
+                               for i in range(clients)))
+        latencies: list[float] = []
+        failures: list[str] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(_client(http, url, start + seconds, 1000 + i, latencies, failures)
+                               for i in range(clients)))
+        elapsed = time.perf_counter() - start
+    lat = np.array(latencies) * 1000
+    pct = {f"p{p}_ms": round(float(np.percentile(lat, p)), 2) for p in (50, 90, 99)} if len(lat) else {}
+    return {"clients": clients, "seconds": round(elapsed, 2), "requests": len(latencies) + len(failures),
+            "failures": len(failures), "failure_examples": failures[:3],
+            "requests_per_s": round(len(latencies) / elapsed, 1), **pct,
+            "max_ms": round(float(lat.max()), 2) if len(lat) else None}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--max-clients", type=int, default=64, help="refuse more concurrent clients than this")
+    p.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point (at most 60)")
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--workers", type=int, default=1, help="clip-mini serve --workers")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/serve.json"))
+    args = p.parse_args(argv)
+    if max(args.clients) > args.max_clients or not 0 < args.seconds <= 60:
+        p.error(f"at most {args.max_clients} clients and 60 s per point")
+    load_before = os.getloadavg()
+    points = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = make_model(tmp / "model")
+        image = tmp / "query.png"
+        from PIL import Image
+
+        Image.new("RGB", (64, 64), (200, 40, 40)).save(image)
+        for n in args.sizes:
+            index = make_index((tmp / f"index-{n}"), model, n, image)
+            proc, url = start_server(index, args.workers)
+            try:
+                import httpx
+
+                info = httpx.get(f"{url}/api/info", timeout=30).json()
+                for c in args.clients:
+                    point = {"rows": n, "workers": args.workers, **asyncio.run(drive(url, c, args.seconds,
+                                                                                     args.warmup))}
+                    print(json.dumps(point), flush=True)
+                    points.append(point)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    out = {"benchmark": "bench_serve", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+           "model": "configs/tiny.yaml architecture, untrained", "k": 10, "backend": info["backend"],
+           "points": points,
+           "zero_failures_at_32_clients": all(pt["failures"] == 0 for pt in points if pt["clients"] == 32)
+           if any(pt["clients"] == 32 for pt in points) else None,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "loadavg_before": [round(x, 2) for x in load_before],
+           "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(scrub_paths(out), indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
