@@ -188,3 +188,18 @@ def test_training_from_shards_matches_the_folder_at_step_0_and_resumes_exactly(s
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     first = [r["loss"] for r in _rows(tmp_path / "ref") if r["kind"] == "step"]
     assert first[-1] < first[0]   # it learns from the stream
+
+
+def test_convert_command_writes_shards_and_bad_input_exits_2(shapes_wds, tmp_path, capsys):
+    shapes = shapes_wds["root"] / "shapes"
+    assert main(["convert", "--to-webdataset", "--captions", str(shapes / "captions.csv"), "--out",
+                 str(tmp_path / "all"), "--shard-size", "64", "--quiet"]) == 0
+    stats = json.loads((tmp_path / "all/stats.json").read_text())
+    assert (stats["samples"], stats["shards"]) == (150, 3) and "wrote 150 samples" in capsys.readouterr().out
+    keys = [s.key for s in iter_shard(str(tmp_path / "all/000000.tar"), SkipLog(show=0))]
+    assert keys == [f"{i:09d}" for i in range(64)]
+    assert main(["convert", "--to-webdataset", "--captions", str(tmp_path / "nope.csv"), "--out",
+                 str(tmp_path / "x"), "--quiet"]) == 2
+    assert main(["convert", "--to-webdataset", "--captions", str(shapes / "captions.csv"), "--split", "val",
+                 "--out", str(tmp_path / "x"), "--quiet"]) == 2
+    assert "--split needs --data" in capsys.readouterr().err and not (tmp_path / "x").exists()
