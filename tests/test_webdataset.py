@@ -203,3 +203,12 @@ def test_convert_command_writes_shards_and_bad_input_exits_2(shapes_wds, tmp_pat
     assert main(["convert", "--to-webdataset", "--captions", str(shapes / "captions.csv"), "--split", "val",
                  "--out", str(tmp_path / "x"), "--quiet"]) == 2
     assert "--split needs --data" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_ray_flag_without_ray_says_how_to_install(shapes_wds, model_dir, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)   # as if Ray were not installed: `import ray` raises
+    assert main(["index", "--model", str(model_dir), "--shards", shapes_wds["train"], "--out", str(tmp_path / "ix"),
+                 "--ray", "--quiet"]) == 2
+    assert "pip install 'clip-mini[ray]'" in capsys.readouterr().err and not (tmp_path / "ix/manifest.json").exists()
