@@ -353,6 +353,22 @@ def test_index_of_another_model_is_refused(model_dir, other_model_dir, tmp_path)
     assert main(["serve", "--index", str(tmp_path / "index"), "--model", str(model_dir)]) == 2
 
 
+@pytest.mark.parametrize("k", [1, 5, 40, 41, 100])
+def test_float32_rows_search_equals_the_library(k):
+    from clip_mini.retrieval.search import exact_search
+    from clip_mini.serve.generations import _search_rows32
+
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((41, 16)).astype(np.float32)
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float16)
+    rows[7] = rows[3]   # a tie: the lower row id ranks first, as in the library
+    queries = np.concatenate([rows[3:4].astype(np.float32), rng.standard_normal((4, 16)).astype(np.float32)])
+    scores, ids = _search_rows32(rows.astype(np.float32), queries, k)
+    want_scores, want_ids = exact_search(rows, queries, k)
+    assert ids.dtype == np.int64 and ids.tolist() == want_ids.tolist()
+    np.testing.assert_allclose(scores, want_scores, atol=1e-6)
+
+
 def test_batcher_searches_waiting_queries_together(small_index):
     """Queries that arrive while a search runs are answered by one search, each exactly as if alone."""
     from concurrent.futures import ThreadPoolExecutor
