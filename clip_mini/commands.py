@@ -45,7 +45,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     index = sync_index(args.out, embedder, images, captions=captions, prune=not args.add,
                        batch_size=args.batch_size, workers=default_workers(args.workers, device),
                        precision="bf16" if args.bf16 else "fp32", faiss=args.faiss, shard=shard, source=source,
-                       model_dir=args.model, progress=progress)
+                       model_dir=args.model, progress=progress, recall_target=args.recall_target)
     print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}")
     if world is not None:   # launched by torchrun: wait for every rank, then rank 0 merges the shards
         world.barrier()

@@ -4,8 +4,8 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
-RETRIEVAL_ORDER = ["search", "format", "files", "onnx_export", "reader", "build", "shards", "wds_source", "ray_index",
-                   "preprocess_np", "query", "engine", "index"]
+RETRIEVAL_ORDER = ["search", "faiss_auto", "format", "files", "onnx_export", "reader", "build", "shards", "wds_source",
+                   "ray_index", "preprocess_np", "query", "engine", "index"]
 
 
 def _imports(path: Path) -> set[str]:

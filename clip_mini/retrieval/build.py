@@ -110,8 +110,8 @@ def _hash_all(paths: list[str], progress: bool) -> tuple[dict[str, str], dict[st
 def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Optional[dict[str, str]] = None,
                prune: bool = True, batch_size: int = 64, workers: int = 0, precision: str = "fp32",
                faiss: str = "auto", shard: Optional[tuple[int, int]] = None, flush_every: int = 1024,
-               source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True
-               ) -> IndexReader:
+               source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True,
+               recall_target: Optional[float] = None) -> IndexReader:
     """Bring the index at ``path`` up to date with ``images``.
 
     Args:
@@ -128,10 +128,13 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         flush_every: images per resumable chunk (at most this much work is lost to a kill).
         source: folder or captions file the images came from (recorded in the manifest).
         model_dir: the model directory (recorded so ``clip-mini search`` finds the model by default).
+        recall_target: recall@10 the faiss search parameter is tuned to (default ``faiss_auto.RECALL_TARGET``).
 
     Raises:
         EmbeddingIndexError: no images, no usable image, an index built with another model, a busy index.
     """
+    if recall_target is not None and not 0 < recall_target <= 1:
+        raise EmbeddingIndexError(f"--recall-target must be in (0, 1], got {recall_target}")
     path = Path(path) if shard is None else shard_dir(path, shard)
     images = sorted(set(os.path.abspath(p) for p in images))
     if shard is not None:
@@ -164,20 +167,20 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
             return old
         meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": list(shard) if shard else None,
                 "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
-        index = _publish(path, old, work, rows, embedder.dim, meta, kind, progress)
+        index = _publish(path, old, work, rows, embedder.dim, meta, kind, progress, recall_target)
         work.remove()
         return index
 
 
 def _publish(path: Path, old: Optional[IndexReader], work: "_Work", rows: dict[str, list], dim: int, meta: dict,
-             kind: Optional[str], progress: bool) -> IndexReader:
+             kind: Optional[str], progress: bool, recall_target: Optional[float] = None) -> IndexReader:
     """Write the next generation from old rows and work chunks, then commit it."""
     sources = [old.embeddings if old is not None else np.zeros((0, dim), np.float16)] + work.chunks
     plan = [(0, r) if s == "old" else (1 + work.rows[h][0], work.rows[h][1])
             for (s, r), h in zip(rows.pop("source"), rows["sha256"])]
     generation = current_generation(path) + 1
     write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, dim)
-    commit(path, generation, rows, meta, kind, progress)
+    commit(path, generation, rows, meta, kind, progress, recall_target)
     return IndexReader.load(path, verify=False)
 
 

@@ -134,10 +134,11 @@ def current_generation(path: Path) -> int:
 
 
 def commit(path: Path, generation: int, items: dict[str, list], meta: dict, faiss_kind: Optional[str] = None,
-           progress: bool = True) -> dict:
+           progress: bool = True, recall_target: Optional[float] = None) -> dict:
     """Publish generation ``generation``: ``embeddings-<gen>.npy`` must already be written (atomically).
 
-    Writes the items file and the optional faiss index, then atomically replaces the manifest; finally removes
+    Writes the items file and the optional faiss index (its search parameter tuned to ``recall_target``, see
+    ``faiss_auto``), then atomically replaces the manifest; finally removes
     data files older than the previous generation. Must run under ``writer_lock``. Returns the new manifest.
     """
     from clip_mini import __version__
@@ -146,18 +147,22 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
     items, root = relative_items(items, path)
     atomic_write_text(path / items_name, items_csv(items))
     files = {"embeddings": emb_name, "items": items_name}
+    faiss_params = None
     if faiss_kind:
-        from clip_mini.retrieval import search as S
+        from clip_mini.retrieval import faiss_auto, search as S
 
         emb = np.load(path / emb_name, mmap_mode="r")
         files["faiss"] = f"faiss-{generation}.index"
-        S.save_faiss(S.build_faiss(emb, faiss_kind, progress=progress), path / files["faiss"])
+        index = S.build_faiss(emb, faiss_kind, progress=progress)
+        faiss_params = faiss_auto.tune(index, faiss_kind, emb, recall_target or faiss_auto.RECALL_TARGET)
+        S.save_faiss(index, path / files["faiss"])
     previous = current_generation(path)
     emb = np.load(path / emb_name, mmap_mode="r")
     manifest = {
         "format_version": FORMAT_VERSION, "generation": generation, "files": files,
         "checksums": {name: sha256_file(path / name) for name in files.values()},
         "count": int(emb.shape[0]), "dim": int(emb.shape[1]), "dtype": "float16", "faiss_kind": faiss_kind,
+        "faiss_params": faiss_params,
         "root": root,
         "clip_mini_version": __version__, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta,
     }

@@ -145,6 +145,9 @@ class IndexReader:
                 if sha256_file(self.path / name) != self.manifest["checksums"][name]:
                     raise EmbeddingIndexError(f"{self.path / name} is corrupt: its sha256 does not match manifest")
                 self._faiss = S.load_faiss(self.path / name)
+                from clip_mini.retrieval.faiss_auto import apply_params
+
+                apply_params(self._faiss, self.manifest.get("faiss_kind"), self.manifest.get("faiss_params"))
         return self._faiss
 
 

@@ -198,7 +198,8 @@ def _faiss():
     return faiss
 
 
-def build_faiss(embeddings: np.ndarray, kind: FaissKind = "hnsw", seed: int = 0, progress: bool = False):
+def build_faiss(embeddings: np.ndarray, kind: FaissKind = "hnsw", seed: int = 0, progress: bool = False,
+                nlist: int | None = None):
     """Build an inner-product faiss index over float16 rows (converted to float32 in blocks).
 
     HNSW (M=32) needs no training and gives high recall; IVF-Flat clusters the rows into ~4*sqrt(N) lists
@@ -211,7 +212,7 @@ def build_faiss(embeddings: np.ndarray, kind: FaissKind = "hnsw", seed: int = 0,
         index.hnsw.efConstruction = 80
         index.hnsw.efSearch = 64
     elif kind == "ivf":
-        nlist = max(1, min(int(4 * math.sqrt(n)), n // 39 or 1))
+        nlist = nlist or max(1, min(int(4 * math.sqrt(n)), n // 39 or 1))
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
         rng = np.random.default_rng(seed)
         sample = np.sort(rng.choice(n, size=min(n, nlist * 64), replace=False))
@@ -280,7 +281,11 @@ def save_faiss(index, path: str | Path) -> None:
 
 def load_faiss(path: str | Path):
     """Read a faiss index file (a plain binary format: no pickle). Its checksum is verified by the caller."""
-    return _faiss().read_index(str(path))
+    faiss = _faiss()
+    try:
+        return faiss.read_index(str(path))
+    except RuntimeError as e:   # faiss reports a truncated or foreign file as a C++ exception
+        raise ValueError(f"{path} is not a readable faiss index ({str(e).strip().splitlines()[0][:160]})") from None
 
 
 def faiss_available() -> bool:
