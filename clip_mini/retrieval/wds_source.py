@@ -178,6 +178,10 @@ def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: 
         if pending:
             (embed or (lambda todo, p: embed_local(embedder, todo, p, batch_size, precision, progress)))(
                 pending, parts)
+        if model_dir and hasattr(embedder, "model"):   # as sync_index: queries on this index then run without torch
+            from clip_mini.retrieval.onnx_export import export_if_missing
+
+            export_if_missing(embedder.model, model_dir)
         rows, plan, skipped = _assemble(old, kept, parts, ids)
         _write_skipped(path, skipped)
         if not rows["path"]:
