@@ -59,11 +59,12 @@ class TextConfig:
     # post-norm DistilBERT's [CLS] state barely depends on the caption at initialisation, so "mean" starts
     # learning from the caption's words at once (configs/tiny.yaml uses it).
     pooling: Literal["cls", "mean"] = "cls"
-    # "zero": a from-scratch [CLS] word embedding starts as minus position 0's embedding, so the embedded [CLS]
-    # state is exactly zero (the embedding LayerNorm maps zero to its bias, zero at init). Its query is then
-    # zero too and the first block's attention reads the caption out uniformly: [CLS] starts as a summary of the
-    # words rather than a constant. "random": BERT's usual N(0, 0.02). Pretrained weights replace either.
-    cls_init: Literal["zero", "random"] = "zero"
+    # What enters the blocks at [CLS] (with pooling "cls"). "zero": a zero vector, so [CLS] is a pure read-out
+    # token: its first attention is a learned-query pooling over the words (uniform, i.e. a mean, at init) and the
+    # blocks refine it. "embedding": BERT's learned [CLS] embedding, which a from-scratch post-norm tower turns into
+    # a nearly constant state that ignores the caption for a long time. "auto": zero from scratch, embedding for a
+    # pretrained tower (whose [CLS] embedding was trained). benchmarks/demo_pooling.py measures the three.
+    cls_input: Literal["auto", "zero", "embedding"] = "auto"
 
 
 @dataclass

@@ -59,7 +59,7 @@ class CLIPModel(nn.Module):
         self.vocab_size, self.pad_token_id = vocab_size, pad_token_id
         self.tokenizer = tokenizer
         self.visual = ImageEncoder(cfg.vision)
-        self.text = TextEncoder(cfg.text, vocab_size, pad_token_id, getattr(tokenizer, "cls_token_id", None))
+        self.text = TextEncoder(cfg.text, vocab_size, pad_token_id)
         self.image_head = ProjectionHead(self.visual.width, cfg.embed_dim, cfg.head, cfg.head_dropout)
         self.text_head = ProjectionHead(self.text.width, cfg.embed_dim, cfg.head, cfg.head_dropout)
         self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))

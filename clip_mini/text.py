@@ -156,7 +156,7 @@ def build_tokenizer(cfg: TextConfig, captions: Iterable[str] | None = None):
 class TextEncoder(nn.Module):
     """DistilBERT pooled at [CLS] (position 0) or by the mean over unmasked tokens (``TextConfig.pooling``)."""
 
-    def __init__(self, cfg: TextConfig, vocab_size: int, pad_token_id: int = 0, cls_token_id: int | None = None):
+    def __init__(self, cfg: TextConfig, vocab_size: int, pad_token_id: int = 0):
         super().__init__()
         from transformers import DistilBertConfig, DistilBertModel
 
@@ -170,14 +170,8 @@ class TextEncoder(nn.Module):
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
         self.width = cfg.dim
-        if cfg.pooling == "cls" and cfg.cls_init == "zero" and cls_token_id is not None:
-            self.zero_cls_state(cls_token_id)
-
-    @torch.no_grad()
-    def zero_cls_state(self, cls_token_id: int) -> None:
-        """Make the embedded [CLS] state exactly zero (``TextConfig.cls_init``; [CLS] always sits at position 0)."""
-        emb = self.bert.embeddings
-        emb.word_embeddings.weight[cls_token_id] = -emb.position_embeddings.weight[0]
+        if cfg.pooling == "cls" and (cfg.cls_input == "zero" or (cfg.cls_input == "auto" and not cfg.pretrained)):
+            self.bert.embeddings.register_forward_hook(_zero_first_position)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, dim)
@@ -197,6 +191,14 @@ class TextEncoder(nn.Module):
         if result.missing_keys or result.unexpected_keys:
             raise ValueError(f"text weights from {source} do not fit: missing {result.missing_keys[:3]}, "
                              f"unexpected {result.unexpected_keys[:3]}")
+
+
+
+def _zero_first_position(module, inputs, embedded: torch.Tensor) -> torch.Tensor:
+    """Forward hook on the embeddings: [CLS] (always at position 0) enters the blocks as a zero vector."""
+    keep = torch.ones(embedded.shape[1], 1, dtype=embedded.dtype, device=embedded.device)
+    keep[0] = 0
+    return embedded * keep
 
 
 def minilm_to_distilbert(model_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -87,26 +87,36 @@ def test_minilm_mapping_matches_bert_hidden_states():
     assert len(minilm_to_distilbert(minilm_dir())) == len(enc.bert.state_dict())
 
 
-@pytest.mark.parametrize("cls_init", ["zero", "random"])
-def test_cls_init_zero_makes_the_initial_cls_state_depend_on_the_caption(cls_init):
+@pytest.mark.parametrize("cls_input", ["zero", "embedding", "auto"])
+def test_cls_input_zero_makes_the_cls_state_depend_on_the_caption(cls_input):
     # A from-scratch post-norm DistilBERT's [CLS] state is nearly constant at init (its own embedding dominates the
-    # tiny attention read-out); cls_init="zero" zeroes the embedded [CLS] state so [CLS] starts as a summary.
+    # tiny attention read-out); cls_input="zero" ("auto" from scratch) feeds [CLS] in as a zero vector, so its first
+    # attention reads the caption out.
     from clip_mini.config import ModelConfig
     from clip_mini.model import CLIPModel
 
     tok = train_tokenizer(CAPTIONS * 3, vocab_size=500)
     cfg = ModelConfig(text=TextConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0, pooling="cls",
-                                      cls_init=cls_init))
+                                      cls_input=cls_input))
     torch.manual_seed(0)
     model = CLIPModel(cfg, vocab_size=len(tok), pad_token_id=tok.pad_token_id, tokenizer=tok).eval()
     enc = tok(CAPTIONS, padding="longest", return_tensors="pt")
     with torch.no_grad():
-        embedded = model.text.bert.embeddings(enc["input_ids"])[:, 0]            # (B, dim) at [CLS]
+        embedded = model.text.bert.embeddings(enc["input_ids"])                   # (B, L, dim), hooks applied
         cls = model.text(enc["input_ids"], enc["attention_mask"])                 # (B, dim)
     spread = (cls - cls.mean(0)).norm(dim=1).mean() / cls.norm(dim=1).mean()      # how much captions differ
-    if cls_init == "zero":
-        assert embedded.abs().max() < 1e-6
+    assert embedded[:, 1:].abs().min(dim=-1).values.max() > 0                     # the words are untouched
+    if cls_input in ("zero", "auto"):
+        assert embedded[:, 0].abs().max() == 0
         assert spread > 0.3
     else:
-        assert embedded.abs().max() > 0.1
+        assert embedded[:, 0].abs().max() > 0.1
         assert spread < 0.1
+
+
+def test_cls_input_auto_keeps_a_pretrained_cls_embedding():
+    from clip_mini.text import TextEncoder
+
+    enc = TextEncoder(TextConfig(dim=64, n_layers=1, n_heads=4, hidden_dim=128, pretrained="some/dir"), 100)
+    ids = torch.tensor([[2, 7, 8, 3]])
+    assert enc.bert.embeddings(ids)[:, 0].abs().max() > 0.1
