@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from clip_mini.config import TextConfig
 from clip_mini.errors import ClipMiniError
+from clip_mini.kernels import fused_attention
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MINILM = "minilm"
@@ -174,6 +175,8 @@ class TextEncoder(nn.Module):
             self.bert.embeddings.register_forward_hook(_zero_first_position)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # transformers reads the kernel from the config at every call: plain attention for CPU training (kernels.py)
+        self.bert.config._attn_implementation = "sdpa" if fused_attention(input_ids) else "eager"
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, dim)
         if self.cfg.pooling == "mean":   # mean over the real tokens ([CLS] and [SEP] included), padding excluded
             mask = attention_mask.unsqueeze(-1).to(hidden.dtype)                                # (B, L, 1)

