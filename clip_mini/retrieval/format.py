@@ -66,10 +66,13 @@ def relative_items(items: dict[str, list], index_dir: Path) -> tuple[dict[str, l
     paths = items["path"]
     if not paths or not all(os.path.isabs(p) for p in paths):
         return items, None
-    root = os.path.commonpath([os.path.dirname(p) for p in paths])
+    try:
+        root = os.path.commonpath([os.path.dirname(p) for p in paths])
+    except ValueError:   # images on several drives (Windows): no common folder, keep the paths absolute
+        return items, None
     try:
         from_index = Path(os.path.relpath(root, os.path.abspath(index_dir))).as_posix()
-    except ValueError:   # another drive (Windows): only the absolute folder can find it
+    except ValueError:   # the index on another drive: only the absolute folder can find it
         from_index = None
     rel = [Path(os.path.relpath(p, root)).as_posix() for p in paths]
     return {**items, "path": rel}, {"path": root, "from_index": from_index}
