@@ -38,12 +38,16 @@ class SearchBatcher:
         self.batches = 0   # counters for /api/info: how much batching happened
         self.queries = 0
 
-    def search(self, features: np.ndarray, k: int) -> tuple[Generation, np.ndarray, np.ndarray]:
-        """Top-``k`` for one query row (1, d): the generation searched, scores (k,) and row ids (k,)."""
+    def submit(self, features: np.ndarray, k: int) -> Future:
+        """Queue one query row (1, d); the future gives the generation searched, scores (k,) and row ids (k,)."""
         self._ensure_thread()
         future: Future = Future()
         self._queue.put((np.asarray(features, np.float32).reshape(1, -1), k, future))
-        return future.result()
+        return future
+
+    def search(self, features: np.ndarray, k: int) -> tuple[Generation, np.ndarray, np.ndarray]:
+        """``submit`` and wait."""
+        return self.submit(features, k).result()
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
