@@ -40,6 +40,7 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
     from clip_mini.data import ImageDataset, ImageError, load_image
 
     from clip_mini.precision import autocast
+    from clip_mini.vision import inference_tower, tower_input
 
     if precision not in ("fp32", "bf16", "fp16"):
         raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
@@ -48,6 +49,8 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
     loader = DataLoader(ImageDataset(paths, embedder.transform), batch_size=batch_size, num_workers=workers,
                         shuffle=False, pin_memory=device.type == "cuda")
     model = embedder.model
+    tower = inference_tower(model.visual, precision)   # bf16: a bf16-weight copy, 1.5-2x autocast's images/s
+    cast = precision if tower is model.visual else "fp32"   # that copy runs as it is, without autocast
     with tqdm(total=len(paths), desc=desc, unit="img", disable=not progress) as bar, torch.inference_mode():
         for pixels, idx, ok in loader:
             bad = {}
@@ -59,8 +62,10 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
                     bad[i] = getattr(e, "reason", str(e))
             feats = np.zeros((0, embedder.dim), np.float32)
             if ok.any():
+                with autocast(device, cast):
+                    tower_features = tower(tower_input(tower, pixels[ok].to(device, non_blocking=True)))
                 with autocast(device, precision):
-                    out = model.encode_image(pixels[ok].to(device, non_blocking=True))
+                    out = model.project_image(tower_features.float())
                 # Renormalise in fp32: bf16 rounding leaves rows slightly off the unit sphere.
                 feats = torch.nn.functional.normalize(out.float(), dim=-1).cpu().numpy()
             bar.update(len(idx))

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from clip_mini.config import Config, PreprocessConfig
 from clip_mini.train.accum import autocast
 
-FORMAT = 1
+FORMAT = 2   # 2: under bf16 the pass runs a bf16-weight copy of the tower (vision.inference_tower)
 
 
 def split_paths(df: pd.DataFrame) -> list[str]:
@@ -126,17 +126,21 @@ def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, devic
                  workers: int, desc: str, blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, D)`` tower outputs of one view (``blocks = k > 0``: ``(N, T, D)`` token states before the last
     ``k`` blocks) and an ``(N,)`` bool mask of the images that could be read."""
+    from clip_mini.vision import inference_tower, tower_input
+
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model.visual.eval()
+    tower = inference_tower(model.visual, precision)   # bf16 weights under bf16: 1.5-2x the images/s of autocast
+    cast = precision if tower is model.visual else "fp32"   # a bf16 copy runs as it is, without autocast
     dataset.view = view
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                         generator=torch.Generator(),   # never moves the global RNG (exact resume)
                         pin_memory=device.type == "cuda")
     rows, oks, start = None, [], 0
     for pixels, _, ok in tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True):
-        with autocast(device, precision):
-            pixels = pixels.to(device, non_blocking=True)
-            out = model.visual.forward_prefix(pixels, blocks) if blocks else model.visual(pixels)
+        with autocast(device, cast):
+            pixels = tower_input(tower, pixels.to(device, non_blocking=True))
+            out = tower.forward_prefix(pixels, blocks) if blocks else tower(pixels)
         if rows is None:   # filled in place: a token view is hundreds of MB, a list + cat would hold it twice
             rows = torch.empty((len(dataset), *out.shape[1:]), dtype=dtype)
         rows[start:start + len(out)] = out.to(dtype).cpu()

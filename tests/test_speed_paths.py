@@ -1,0 +1,89 @@
+"""The speed paths compute what the plain ones do: plain vs fused attention, bf16-weight towers, bf16 indexing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clip_mini.config import ModelConfig, TextConfig, VisionConfig
+from clip_mini.kernels import fused_attention
+from clip_mini.model import CLIPModel
+from clip_mini.vision import ImageEncoder, inference_tower, tower_input
+
+VIT = VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2)
+EFFNET = VisionConfig(backbone="efficientnet_lite0", image_size=64, trainable=False)
+
+
+def test_kernel_choice_plain_for_cpu_graphs_fused_for_inference():
+    x = torch.zeros(1)
+    assert not fused_attention(x)
+    with torch.no_grad():   # accumulation's first pass must match its re-forward with gradient
+        assert not fused_attention(x)
+    with torch.inference_mode():
+        assert fused_attention(x)
+
+
+def test_towers_switch_kernels_and_give_the_same_features():
+    torch.manual_seed(0)
+    model = CLIPModel(ModelConfig(vision=VIT, text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64,
+                                                              dropout=0.0)), vocab_size=50).eval()
+    pixels, ids = torch.randn(3, 3, 32, 32), torch.randint(5, 50, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, 4:] = 0   # padding goes through the plain path's mask too
+    image, text = model.encode_image(pixels), model.encode_text(ids, mask)          # with a graph: plain
+    assert not model.visual.trunk.blocks[0].attn.fused_attn
+    assert model.text.bert.config._attn_implementation == "eager"
+    with torch.inference_mode():
+        image_fused, text_fused = model.encode_image(pixels), model.encode_text(ids, mask)
+    assert model.visual.trunk.blocks[0].attn.fused_attn
+    assert model.text.bert.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(image.detach(), image_fused, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(text.detach(), text_fused, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [VIT, EFFNET], ids=["vit", "effnet"])
+def test_bf16_inference_tower_within_1e2_cosine_of_fp32(cfg):
+    torch.manual_seed(0)
+    encoder = ImageEncoder(cfg).eval()
+    before = {k: v.clone() for k, v in encoder.state_dict().items()}
+    assert inference_tower(encoder, "fp32") is encoder
+    tower = inference_tower(encoder, "bf16")
+    assert next(tower.parameters()).dtype == torch.bfloat16
+    pixels = torch.randn(4, 3, cfg.image_size, cfg.image_size)
+    with torch.inference_mode():
+        reference = encoder(pixels)
+        fast = tower(tower_input(tower, pixels))
+    assert fast.dtype == torch.bfloat16
+    assert F.cosine_similarity(fast.float(), reference).min() > 0.99
+    for k, v in encoder.state_dict().items():   # the tower itself is untouched (still fp32, same values)
+        assert torch.equal(v, before[k]), k
+
+
+def test_bf16_indexing_rows_within_1e2_cosine_of_fp32(tmp_path):
+    from PIL import Image
+
+    from clip_mini.embed import Embedder
+    from clip_mini.retrieval.files import iter_image_features
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(5):   # real JPEG files, smooth enough that the features are not noise
+        base = rng.integers(0, 255, (6, 8, 3), dtype=np.uint8)
+        img = Image.fromarray(base).resize((120, 90), Image.BILINEAR)
+        paths.append(str(tmp_path / f"{i}.jpg"))
+        img.save(paths[-1], quality=90)
+    torch.manual_seed(0)
+    model = CLIPModel(ModelConfig(vision=VIT, text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)),
+                      vocab_size=50)
+    embedder = Embedder(model, device="cpu")
+
+    def rows(precision: str) -> np.ndarray:
+        out = list(iter_image_features(embedder, paths, batch_size=2, precision=precision, progress=False))
+        assert all(not bad for _, _, bad in out)
+        return np.concatenate([feats for _, feats, _ in out])
+
+    fp32, bf16 = rows("fp32"), rows("bf16")
+    assert fp32.shape == bf16.shape == (5, model.cfg.embed_dim)
+    np.testing.assert_allclose(np.linalg.norm(bf16, axis=1), 1.0, atol=1e-5)
+    assert (fp32 * bf16).sum(1).min() > 0.99
