@@ -162,6 +162,7 @@ def main(argv=None) -> dict:
     p.add_argument("--hnsw-rows", type=int, default=None, help="rows for HNSW (default: --rows)")
     p.add_argument("--ivf-nlist", type=int, default=1024, help="IVF-Flat lists (index's default 4*sqrt(N) trains "
                    "k-means on 64 rows a list: minutes at 1M rows on 2 cores)")
+    p.add_argument("--kinds", nargs="+", default=["ivfpq", "ivf", "hnsw"], choices=["ivfpq", "ivf", "hnsw"])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/ann_real.json"))
     args = p.parse_args(argv)
     import faiss
@@ -190,8 +191,11 @@ def main(argv=None) -> dict:
     out["generated_query_best_cos_p50_at_rows"] = round(float(np.median(np.diag(top))), 4)
     results = {}
     hnsw_rows = args.hnsw_rows or args.rows
-    for kind, values in (("ivf", [1, 2, 4, 8, 16, 32, 64, 128, 256]), ("ivfpq", [1, 2, 4, 8, 16, 32, 64, 128, 256]),
-                         ("hnsw", [16, 32, 64, 128, 256, 512])):
+    from clip_mini.io import atomic_write_json
+
+    sweeps = {"ivfpq": [4, 8, 16, 32, 64, 128], "ivf": [4, 8, 16, 32, 64, 128], "hnsw": [16, 32, 64, 128, 256, 512]}
+    for kind in args.kinds:
+        values = sweeps[kind]
         sub = rows if kind != "hnsw" else rows[:hnsw_rows]
         truth_k = truth if kind != "hnsw" or hnsw_rows == args.rows else _truth(sub, queries)
         faiss.omp_set_num_threads(2)
@@ -211,11 +215,11 @@ def main(argv=None) -> dict:
         print(kind, res["auto"], flush=True)
         results[kind] = res
         del index
+        out["indexes"] = results   # written after each index: a long run stopped later keeps what it measured
+        atomic_write_json(args.out, scrub_paths({**out, "partial": True}))
     out["indexes"] = results
     out["loadavg_end"] = os.getloadavg()[0]
     out["bench_s"] = round(time.perf_counter() - t0, 1)
-    from clip_mini.io import atomic_write_json
-
     atomic_write_json(args.out, scrub_paths(out))
     return out
 

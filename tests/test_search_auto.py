@@ -55,7 +55,7 @@ def test_tune_reaches_the_target_with_the_smallest_step(kind):
 @pytest.fixture(scope="module")
 def tuned_index(model_dir, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("photos")
-    write_images(folder, 40)
+    write_images(folder, 12)
     out = folder.parent / (folder.name + "-index")
     assert main(["index", "--model", str(model_dir), "--images", str(folder), "--out", str(out), "--faiss", "ivf",
                  "--recall-target", "0.99", "--quiet"]) == 0

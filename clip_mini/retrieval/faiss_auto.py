@@ -1,11 +1,10 @@
-"""``index --faiss auto``: pick the faiss index for the size, then tune its search parameter to a target recall.
+"""``index --faiss ...``: tune the stored faiss index's search parameter to a target recall, as autofaiss does.
 
-The choice follows autofaiss's logic (a memory budget, then the cheapest index that reaches the recall): below
-``search.FAISS_THRESHOLD`` rows no faiss index (exact search is fast enough); then HNSW while its float32 graph
-copy fits ``memory_budget``; IVF-PQ with exact re-ranking from the stored rows beyond that (``search``'s
-``IVFPQ_THRESHOLD`` decides between them). The search parameter (HNSW ``efSearch``, IVF ``nprobe``) is then
-raised step by step until recall@10 against exact search reaches ``recall_target`` on proxy queries, and the
-result is stored in the manifest (``faiss_params``) so every search uses it.
+The index kind comes from the size (``build.faiss_kind``: none below ``search.FAISS_THRESHOLD`` rows, where exact
+search is fast enough; HNSW, whose float32 copy of the rows must fit in RAM; IVF-PQ with exact re-ranking from the
+memory-mapped rows from ``search.IVFPQ_THRESHOLD``, past RAM). Its search parameter (HNSW ``efSearch``, IVF
+``nprobe``) is then raised step by step until recall@10 against exact search reaches ``recall_target`` on proxy
+queries, and the result is stored in the manifest (``faiss_params``) so every search uses it.
 
 Proxy queries stand in for text queries, which an index of images does not have: each is a stored row blended
 with random noise so that its cosine to that row is ``PROXY_COSINE``. Text queries sit that far from their best
