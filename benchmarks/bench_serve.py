@@ -149,6 +149,12 @@ def main(argv=None) -> dict:
                     port = int(url.rsplit(":", 1)[1])
                     point = {"rows": n, "workers": args.workers, **asyncio.run(drive(port, c, args.seconds,
                                                                                      args.warmup))}
+                    after = httpx.get(f"{url}/api/info", timeout=30).json()["backend"]
+                    # queries per search pass over the rows, warm-up included (one worker process only)
+                    batches = after["batches"] - info["backend"]["batches"]
+                    point["mean_batch"] = round((after["batched_queries"] - info["backend"]["batched_queries"])
+                                                / max(batches, 1), 2)
+                    info["backend"] = after
                     print(json.dumps(point), flush=True)
                     points.append(point)
             finally:
