@@ -87,3 +87,22 @@ def test_bf16_indexing_rows_within_1e2_cosine_of_fp32(tmp_path):
     assert fp32.shape == bf16.shape == (5, model.cfg.embed_dim)
     np.testing.assert_allclose(np.linalg.norm(bf16, axis=1), 1.0, atol=1e-5)
     assert (fp32 * bf16).sum(1).min() > 0.99
+
+
+def test_train_reports_where_its_time_went(tmp_path):
+    from clip_mini.config import load_config
+    from clip_mini.data import generate
+    from clip_mini.train import train
+
+    shapes = generate(tmp_path / "shapes", n=60, seed=0, size=32)
+    cfg = load_config(None, [
+        "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
+        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
+        "model.text.hidden_dim=64", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=16",
+        "data.val=12", "train.batch_size=16", "train.epochs=1", "train.threads=1", "train.eval_batch_size=64",
+        f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / 'run'}"])
+    times = train(cfg)["time_breakdown"]
+    assert {"steps_s", "data_wait_s", "evaluation_s", "checkpoints_s", "other_s", "total_s"} <= times.keys()
+    assert all(v >= 0 for v in times.values())
+    assert sum(v for k, v in times.items() if k != "total_s") == pytest.approx(times["total_s"])
+    assert "feature_pass_s" not in times   # no locked tower here: nothing precomputed

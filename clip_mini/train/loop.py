@@ -11,7 +11,7 @@ import math
 import os
 import time
 import warnings
-from contextlib import ExitStack, redirect_stdout
+from contextlib import ExitStack, contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Optional
 
@@ -100,10 +100,12 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
                                   model.cfg.text.max_length, "train")   # one line if any caption is cut
     cache = make_image_cache(cfg, model.preprocess, splits)
     frozen_feats = None   # a locked image tower's outputs, computed once (train.frozen_features)
+    clock = _Clock()
     if t.frozen_features:
         from clip_mini.train import frozen as frozen_io
 
-        frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier)
+        with clock("feature_pass"):
+            frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier)
         inputs = frozen_io.build_frozen_train_inputs(cfg, splits["train"], *frozen_feats["train"], model.tokenizer,
                                                      model.cfg.text.max_length, info.rank, info.world_size)
     else:
@@ -132,10 +134,12 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
               f"{steps_per_epoch} steps/epoch of {global_batch} pairs, {total} steps; "
               f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
         if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
-            _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0, frozen_feats)
+            with clock("evaluation"):
+                _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0, frozen_feats)
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
+    @clock.timed("checkpoints")
     def save_state() -> None:
         saved_at[0] = state["step"]
         if main:
@@ -157,7 +161,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
                    disable=not main, dynamic_ncols=True, leave=True)
         window = _Window()
         for micro in inputs.loader(epoch, state["pos"]):
-            window.data_ready()
+            clock.add("data_wait", window.data_ready())
             # set lr: warmup + cosine, a pure function of the step
             lr = set_lr(optimizer, lr_factor(state["step"], total, t.warmup_steps, t.min_lr_ratio))
             # forward / backward over the whole accumulated (and, distributed, global) batch
@@ -179,7 +183,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             state["step"] += 1
             state["pos"] += 1
             # log
-            window.step_done(loss.item(), global_batch)
+            clock.add("steps", window.step_done(loss.item(), global_batch))
             if main and (state["step"] % t.log_every == 0 or state["pos"] == steps_per_epoch):
                 row = window.row(state, lr, model.scale().item(), grad_norm.item())
                 bar.set_postfix(loss="nan" if row["loss"] is None else f"{row['loss']:.3f}", lr=f"{lr:.1e}",
@@ -190,6 +194,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             # checkpoint; pause
             if t.checkpoint_every and state["step"] % t.checkpoint_every == 0:
                 save_state()
+                window.skip_wait()   # the checkpoint's time is not a wait for data
             if stop_after is not None and stop_after <= state["step"] < total:
                 stopped = True
                 break
@@ -200,11 +205,14 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             break
         # -- end of epoch: evaluate, keep the best model, checkpoint ---------------------------------------------
         if main:
-            val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1, t0,
-                            frozen_feats)
+            with clock("evaluation"):
+                val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1, t0,
+                                frozen_feats)
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]
-                model.save_pretrained(run / "best", extra={"trained": _provenance(state["step"], epoch + 1, val, t)})
+                with clock("checkpoints"):
+                    model.save_pretrained(run / "best",
+                                          extra={"trained": _provenance(state["step"], epoch + 1, val, t)})
         barrier()
         set_train_mode(model, True)
         state.update(epoch=epoch + 1, pos=0, epoch_loss=[0.0, 0])
@@ -216,7 +224,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             save_state()
     elif main:
         trained = _provenance(state["step"], state["epoch"], _last_val(log), t)
-        model.save_pretrained(run / "final", extra={"trained": trained})
+        with clock("checkpoints"):
+            model.save_pretrained(run / "final", extra={"trained": trained})
         print(summary_table(log.rows, t.best_metric))
         best = "none" if state["best"] is None else f"{state['best']:.4g}"
         print(f"best {t.best_metric} = {best}; model directories: {run / 'best'}, {run / 'final'} "
@@ -224,7 +233,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     barrier()
     return {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
             "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
-            "truncated_captions": truncated}
+            "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0)}
 
 
 # -- helpers --------------------------------------------------------------------------------------------------
@@ -238,15 +247,25 @@ class _Window:
     def _reset(self) -> None:
         self.losses, self.pairs, self.wait, self.start = [], 0, 0.0, self.last
 
-    def data_ready(self) -> None:
+    def data_ready(self) -> float:
+        """Mark a batch's arrival; returns the wait since the last step ended."""
         now = time.perf_counter()
-        self.wait += now - self.last   # time between the end of the last step and this batch's arrival
+        wait = now - self.last   # time between the end of the last step and this batch's arrival
+        self.wait += wait
         self.last = now
+        return wait
 
-    def step_done(self, loss: float, pairs: int) -> None:
+    def step_done(self, loss: float, pairs: int) -> float:
+        """Record a finished step; returns its time since its batch arrived."""
         if math.isfinite(loss):
             self.losses.append(loss)
         self.pairs += pairs
+        now, ready = time.perf_counter(), self.last
+        self.last = now
+        return now - ready
+
+    def skip_wait(self) -> None:
+        """Start the wait for the next batch now (time since the last step was spent elsewhere)."""
         self.last = time.perf_counter()
 
     def row(self, state: dict, lr: float, logit_scale: float, grad_norm: float) -> dict:
@@ -257,6 +276,40 @@ class _Window:
                "pairs_per_s": self.pairs / elapsed, "data_wait": self.wait / elapsed}
         self._reset()
         return row
+
+
+class _Clock:
+    """Seconds of this process's run by stage, for ``train()``'s ``time_breakdown``: where a run's minutes go."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - start)
+
+    def timed(self, stage: str):
+        """Decorator form of ``clock(stage)``."""
+        def wrap(fn):
+            def timed_fn(*args, **kwargs):
+                with self(stage):
+                    return fn(*args, **kwargs)
+            return timed_fn
+        return wrap
+
+    def breakdown(self, total_s: float) -> dict[str, float]:
+        """Stages plus ``other`` (set-up, data loading before the first step, logging) summing to ``total_s``."""
+        out = {f"{k}_s": v for k, v in self.seconds.items()}
+        out["other_s"] = total_s - sum(self.seconds.values())
+        out["total_s"] = total_s
+        return out
 
 
 def _skip_step(state: dict, loss: torch.Tensor, grad_norm: torch.Tensor, max_bad: int, main: bool) -> None:
