@@ -12,7 +12,9 @@ once per variant, each with the same seed, steps and schedule, then for each tra
 
 Variants: ``mean`` (masked mean over the caption's tokens), ``cls-embedding`` ([CLS] entering the blocks as
 BERT's learned [CLS] embedding), ``cls-zero`` (``model.text.cls_input=zero``: [CLS] enters as a zero vector, so
-its first attention is a learned-query pooling of the words). Prints JSON and writes
+its first attention is a learned-query pooling of the words), ``cls-zero-lr2`` (the same with twice the text
+tower's learning rate), ``cls-zero-l3`` (the same with a third text block: [CLS] reads contextualised words in
+two blocks, as masked-mean pooling averages states that went through all of them). Prints JSON and writes
 ``benchmarks/results/demo_pooling.json`` after each variant.
 """
 from __future__ import annotations
@@ -34,6 +36,8 @@ VARIANTS = {
     "mean": ["model.text.pooling=mean"],
     "cls-embedding": ["model.text.pooling=cls", "model.text.cls_input=embedding"],
     "cls-zero": ["model.text.pooling=cls", "model.text.cls_input=zero"],
+    "cls-zero-lr2": ["model.text.pooling=cls", "model.text.cls_input=zero", "train.lr_text=4.0e-3"],
+    "cls-zero-l3": ["model.text.pooling=cls", "model.text.cls_input=zero", "model.text.n_layers=3"],
 }
 
 
@@ -103,8 +107,13 @@ def main(argv=None) -> None:
 
 
 def _write(path: str, results: list) -> dict:
+    """Write this run's variants, keeping other variants an earlier run of this script recorded."""
     from repo_paths import scrub_paths
 
+    mine = {r["variant"] for r in results}
+    if Path(path).is_file():
+        earlier = [r for r in json.loads(Path(path).read_text()).get("results", []) if r["variant"] not in mine]
+        results = earlier + results
     report = {"benchmark": "demo_pooling", "config": "configs/tiny.yaml", "data": "data/shapes (10,000 images)",
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "load_avg_1m_end": os.getloadavg()[0]},

@@ -171,7 +171,8 @@ class TextEncoder(nn.Module):
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
         self.width = cfg.dim
-        if cfg.pooling == "cls" and (cfg.cls_input == "zero" or (cfg.cls_input == "auto" and not cfg.pretrained)):
+        zero = cfg.cls_input == "zero" or (cfg.cls_input == "auto" and not cfg.pretrained and cfg.n_layers >= 2)
+        if cfg.pooling == "cls" and zero:
             self.bert.embeddings.register_forward_hook(_zero_first_position)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

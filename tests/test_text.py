@@ -97,7 +97,7 @@ def test_cls_input_zero_makes_the_cls_state_depend_on_the_caption(cls_input):
 
     tok = train_tokenizer(CAPTIONS * 3, vocab_size=500)
     cfg = ModelConfig(text=TextConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0, pooling="cls",
-                                      cls_input=cls_input))
+                                      cls_input=cls_input))   # two blocks: "auto" means zero
     torch.manual_seed(0)
     model = CLIPModel(cfg, vocab_size=len(tok), pad_token_id=tok.pad_token_id, tokenizer=tok).eval()
     enc = tok(CAPTIONS, padding="longest", return_tensors="pt")
@@ -114,9 +114,10 @@ def test_cls_input_zero_makes_the_cls_state_depend_on_the_caption(cls_input):
         assert spread < 0.1
 
 
-def test_cls_input_auto_keeps_a_pretrained_cls_embedding():
+@pytest.mark.parametrize("n_layers, pretrained, zeroed", [(2, None, True), (1, None, False), (2, "some/dir", False)])
+def test_cls_input_auto_zeroes_only_a_from_scratch_tower_of_two_or_more_blocks(n_layers, pretrained, zeroed):
     from clip_mini.text import TextEncoder
 
-    enc = TextEncoder(TextConfig(dim=64, n_layers=1, n_heads=4, hidden_dim=128, pretrained="some/dir"), 100)
+    enc = TextEncoder(TextConfig(dim=64, n_layers=n_layers, n_heads=4, hidden_dim=128, pretrained=pretrained), 100)
     ids = torch.tensor([[2, 7, 8, 3]])
-    assert enc.bert.embeddings(ids)[:, 0].abs().max() > 0.1
+    assert (enc.bert.embeddings(ids)[:, 0].abs().max() == 0) == zeroed
