@@ -36,24 +36,25 @@ def _assert_same_index(a: EmbeddingIndex, b: EmbeddingIndex):
 
 
 class _CountingEmbedder:
-    """Wraps an Embedder, counting the images that go through the image tower."""
+    """Wraps an Embedder, counting the images whose tower features reach the image head (every indexing path,
+    the bf16 tower copy included, ends in ``project_image``)."""
 
     def __init__(self, inner):
         self.inner, self.seen = inner, 0
         model = inner.model
-        self._orig = model.encode_image
+        self._orig = model.project_image
 
-        def encode_image(pixels, *a, **k):
-            self.seen += len(pixels)
-            return self._orig(pixels, *a, **k)
+        def project_image(features, *a, **k):
+            self.seen += len(features)
+            return self._orig(features, *a, **k)
 
-        model.encode_image = encode_image
+        model.project_image = project_image
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def restore(self):
-        del self.inner.model.encode_image
+        del self.inner.model.project_image
 
 
 def test_build_load_search_roundtrip(tmp_path, embedder, image_folder):
