@@ -7,12 +7,13 @@ written block by block into ``embeddings.npy`` the way ``build.write_embeddings`
 (10M x 256 x 2 B = 5.1 GB; the disk is checked first and ``--rows`` lowered to what fits, which the JSON records).
 Measured, each search step in a fresh process so its memory is its own:
 
-* ``exact``: ``search.exact_search`` over the memory map, 16 queries in one call: seconds, and the process's
-  anonymous memory (RssAnon: what the search allocates; the map's file pages are page cache, which the kernel
-  drops under pressure, reported apart as peak RSS);
-* ``ivfpq``: ``search.build_faiss(kind="ivfpq")`` (train + add, seconds; the index file's size), then in a fresh
-  process: load the index, 100 queries with ``RERANK`` x k candidates re-scored from the map: ms per query,
-  recall@10 against exact search, peak RSS against the stated budget.
+* ``exact``: ``search.exact_search`` over the memory map, 1 query, then 100 in one call: seconds, and the
+  process's peak anonymous memory (RssAnon, sampled: what the search allocates; the map's file pages are page
+  cache, which the kernel drops under pressure, in peak RSS);
+* ``build``: ``search.build_faiss(kind="ivfpq")`` (train + add, seconds; the index file's size);
+* ``search``, in a fresh process: load the index, 100 queries with ``RERANK`` x k candidates re-scored from the
+  map, at nprobe 32 and 128: ms per query, recall@10 against exact search (with and without the re-ranking),
+  peak anonymous memory against the stated budget.
 
 The items table (a CSV read whole into Python lists) is not simulated: see the README (Datasets at scale).
 Writes ``benchmarks/results/index_10m.json``.
@@ -37,10 +38,38 @@ BUDGET_MB = 1024   # the claim: IVF-PQ search over 10M x 256 rows in under 1 GiB
 K = 10
 
 
-def _mem() -> dict:
+def _status() -> dict:
     status = Path("/proc/self/status").read_text()
-    get = {ln.split(":")[0]: int(ln.split()[1]) for ln in status.splitlines() if ln.startswith(("VmHWM", "RssAnon"))}
-    return {"peak_rss_mb": round(get["VmHWM"] / 1024, 1), "rss_anon_mb": round(get["RssAnon"] / 1024, 1)}
+    return {ln.split(":")[0]: int(ln.split()[1]) for ln in status.splitlines() if ln.startswith(("VmHWM", "RssAnon"))}
+
+
+class _AnonPeak:
+    """Samples RssAnon every 20 ms: the kernel keeps a peak of the whole RSS only, which here is mostly the memory
+    map's file pages (page cache, dropped under pressure), not what the process allocated."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _status()["RssAnon"])
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(max(self.peak, _status()["RssAnon"]) / 1024, 1)
+
+
+ANON = None
+
+
+def _mem() -> dict:
+    get = _status()
+    return {"peak_rss_mb": round(get["VmHWM"] / 1024, 1), "peak_anon_mb": ANON.stop()}
 
 
 def write_rows(path: Path, n: int, dim: int, block: int = 1 << 20) -> None:
@@ -98,17 +127,21 @@ def step_search() -> dict:
     index = load_faiss(Path(ARGS.path).with_name("faiss.index"))
     emb = np.load(ARGS.path, mmap_mode="r")
     q = queries(emb.shape[1], 100)
-    faiss_search(index, q[:2], K, rerank=emb)   # warm-up
-    t0 = time.perf_counter()
-    _, ids = faiss_search(index, q, K, rerank=emb)
-    sec = time.perf_counter() - t0
     exact = np.load(Path(ARGS.path).with_name("exact_ids.npy"))
-    recall = np.mean([len(set(a) & set(b)) / K for a, b in zip(ids, exact)])
-    _, raw = faiss_search(index, q, K)   # PQ scores alone, no re-ranking
-    raw_recall = np.mean([len(set(a) & set(b)) / K for a, b in zip(raw, exact)])
-    return {"queries": len(q), "ms_per_query": round(1000 * sec / len(q), 2), "rerank_candidates": RERANK * K,
-            "nprobe": int(index.nprobe), "recall_at_10_vs_exact": round(float(recall), 4),
-            "recall_at_10_without_rerank": round(float(raw_recall), 4), **_mem()}
+    faiss_search(index, q[:2], K, rerank=emb)   # warm-up
+    out = {"queries": len(q), "rerank_candidates": RERANK * K}
+    for nprobe in (32, 128):   # 32: what build_faiss sets; 128: more lists probed for the same k
+        index.nprobe = nprobe
+        t0 = time.perf_counter()
+        _, ids = faiss_search(index, q, K, rerank=emb)
+        sec = time.perf_counter() - t0
+        _, raw = faiss_search(index, q, K)   # PQ scores alone, no re-ranking
+        out[f"nprobe{nprobe}"] = {
+            "ms_per_query": round(1000 * sec / len(q), 2),
+            "recall_at_10_vs_exact": round(float(np.mean([len(set(a) & set(b)) / K for a, b in zip(ids, exact)])), 4),
+            "recall_at_10_without_rerank": round(float(np.mean([len(set(a) & set(b)) / K
+                                                                for a, b in zip(raw, exact)])), 4)}
+    return {**out, **_mem()}
 
 
 def run_step(name: str, path: Path) -> dict:
@@ -136,7 +169,7 @@ def main() -> None:
         for step in ("exact", "build", "search"):
             out[step] = run_step(step, path)
             print(step, out[step], flush=True)
-    out["ivfpq_under_budget"] = out["search"]["peak_rss_mb"] <= BUDGET_MB
+    out["ivfpq_under_budget"] = out["search"]["peak_anon_mb"] <= BUDGET_MB
     out["loadavg_end"] = os.getloadavg()[0]
     name = "index_10m.json" if ARGS.rows == 10_000_000 else f"index_{ARGS.rows}.json"
     (ROOT / "benchmarks/results" / name).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
@@ -156,6 +189,7 @@ if __name__ == "__main__":
         import faiss
 
         faiss.omp_set_num_threads(ARGS.threads)
+        ANON = _AnonPeak()
         print(json.dumps({"exact": step_exact, "build": step_build, "search": step_search}[ARGS.step]()))
     else:
         main()
