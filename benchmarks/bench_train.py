@@ -1,17 +1,28 @@
-"""Speed of a full training step (both towers, loss, backward, AdamW) at the tiny and flickr8k configs.
+"""Speed of a full training step: clip_mini against open_clip at equal size, and the tiny and flickr8k configs.
 
-    python benchmarks/bench_train.py [--steps 8] [--warmup 2] [--configs tiny flickr8k flickr8k-pixels]
+    python benchmarks/bench_train.py [--rounds 8] [--peer-batches 128 64] [--configs tiny flickr8k flickr8k-pixels]
 
-``flickr8k`` trains on precomputed features of its locked image tower (``train.frozen_features``): its step is the
-image head, the text tower and the loss, and the one-time pass over the images is timed separately;
-``flickr8k-pixels`` is the same model running the tower at every step, for comparison.
+**Peer** (``peer`` in the JSON): clip_mini's own step (``forward_backward``, its AdamW groups, gradient clipping,
+``optimizer.step``, the logit-scale clamp) against open_clip's (``open_clip.CLIP`` built as
+``benchmarks/openclip_peer.py`` builds it, open_clip's ``ClipLoss``, bf16 autocast as open_clip_train's
+``amp_bf16``, AdamW, clamp) at open_clip's tiny-CLIP size: ViT 64 px / patch 8 / width 192 / 4 blocks / 3 heads,
+text width 192 / 4 layers / 3 heads / MLP 768 / vocab 8192 / 32 tokens, embed 128, linear heads; random
+tensors (model-only), same threads. The steps run interleaved, round by round, each round also timing this
+CPU's fp32 and bf16 matmul peaks, so other processes on the cores slow every column alike; medians are reported.
+Two clip_mini columns each leave out one lever (plain attention in the training pass, fused AdamW), and
+a last one runs open_clip under PyTorch's math SDPA backend (``sdpa_kernel(SDPBackend.MATH)``) to show how
+much of the gap is the attention kernel (see ``clip_mini/kernels.py``). Skipped with a message when
+``open_clip_torch`` (extra ``bench``) is missing.
 
-For each config: real batches from the real loader (cache on, as in training), ``forward_backward`` + gradient
-clipping + ``optimizer.step`` timed step by step. Reports pairs/s, the FLOPs of one step as counted by
-``torch.utils.flop_counter`` (matrix products, convolutions and attention, forward and backward; AdamW's
-element-wise work is not counted), the achieved GFLOP/s, and the fraction of the step time spent waiting for
-the next batch. This machine's fp32 (and bf16) matmul peak is measured in the same run, so the achieved rate
-can be read against it. Prints JSON and writes ``benchmarks/results/train.json``.
+**Configs**: real batches from the real loader (cache on, as in training), ``forward_backward`` + gradient
+clipping + ``optimizer.step`` timed step by step. ``flickr8k`` trains on precomputed features of its locked image
+tower (``train.frozen_features``): its step is the image head, the text tower and the loss, and the one-time
+pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step.
+
+FLOPs of one step are counted by ``torch.utils.flop_counter`` (matrix products, convolutions and attention,
+forward and backward; AdamW's element-wise work is not counted); achieved GFLOP/s are read against the fp32
+matmul peak of the same run. Prints JSON and writes ``benchmarks/results/train.json`` with the 1-minute load
+average at start and end.
 
 The tiny config reads ``data/shapes`` (generated into a temporary folder if absent); flickr8k reads
 ``../shared/data/flickr8k`` and is skipped when that is absent.
@@ -35,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 FLICKR8K = ROOT.parent / "shared/data/flickr8k/captions.csv"
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 2.0) -> float:
-    """GFLOP/s of a square matmul on this machine (best of repeated runs)."""
+def matmul_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 0.5) -> float:
+    """GFLOP/s of a square matmul on this machine (fastest of the repeats within ``seconds``)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     best, start = math.inf, time.perf_counter()
@@ -45,6 +56,150 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 2.0) -> floa
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
+
+
+# -- the peer: clip_mini vs open_clip at open_clip's tiny-CLIP size, model-only -------------------------------
+PEER_VOCAB, PEER_TOKENS, PEER_IMAGE = 8192, 32, 64
+
+
+def _clip_mini_step(batch_size: int, lever_off: str | None = None):
+    """clip_mini's training step at the peer size, as ``train.loop`` runs it; returns (step, flop-counted pass).
+
+    ``lever_off``: run it without one speed lever, to measure what that lever gives: ``"plain_attention"`` (the
+    fused SDPA kernel in the training pass too) or ``"fused_adamw"`` (AdamW's default foreach implementation).
+    """
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from clip_mini.config import ModelConfig, TextConfig, TrainConfig, VisionConfig
+    from clip_mini.loss import ClipLoss
+    from clip_mini.model import CLIPModel
+    from clip_mini.train.accum import FeatureModel, forward_backward
+    from clip_mini.train.optim import build_optimizer, param_groups, set_train_mode
+
+    cfg = ModelConfig(vision=VisionConfig(image_size=PEER_IMAGE, patch_size=8, width=192, depth=4, heads=3),
+                      text=TextConfig(dim=192, n_layers=4, n_heads=3, hidden_dim=768, dropout=0.0,
+                                      max_length=PEER_TOKENS),
+                      embed_dim=128, head="linear", head_dropout=0.0)
+    t = TrainConfig(lr=5e-4, precision="bf16")
+    torch.manual_seed(0)
+    model = CLIPModel(cfg, vocab_size=PEER_VOCAB)
+    optimizer = build_optimizer(model, t)
+    if lever_off == "fused_adamw":
+        optimizer = torch.optim.AdamW(param_groups(model, t), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    features, loss_fn, cpu = FeatureModel(model), ClipLoss(), torch.device("cpu")
+    set_train_mode(model, True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(1)
+    batch = {"pixels": torch.randn(batch_size, 3, PEER_IMAGE, PEER_IMAGE, generator=g),
+             "input_ids": torch.randint(5, PEER_VOCAB, (batch_size, PEER_TOKENS), generator=g),
+             "attention_mask": torch.ones(batch_size, PEER_TOKENS, dtype=torch.long),
+             "image_ids": torch.arange(batch_size)}
+
+    def kernels():
+        stack = ExitStack()
+        if lever_off == "plain_attention":   # the towers ask clip_mini.kernels; answer "fused" every time
+            for module in ("clip_mini.vision", "clip_mini.text"):
+                stack.enter_context(mock.patch(f"{module}.fused_attention", lambda x: True))
+        return stack
+
+    def step() -> None:
+        with kernels():
+            forward_backward(features, [batch], loss_fn, cpu, t.precision)
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        optimizer.step()
+        model.clamp_logit_scale()
+        optimizer.zero_grad(set_to_none=True)
+
+    def counted() -> None:
+        with kernels():
+            forward_backward(features, [batch], loss_fn, cpu, t.precision)
+        optimizer.zero_grad(set_to_none=True)
+    return step, counted
+
+
+def _open_clip_step(batch_size: int, math_sdpa: bool = False):
+    """open_clip's step at the same size (bf16 autocast, its ClipLoss, AdamW as open_clip_train sets it up)."""
+    from contextlib import nullcontext
+
+    from open_clip.loss import ClipLoss
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from openclip_peer import build_model, build_optimizer
+
+    torch.manual_seed(0)
+    model = build_model(PEER_IMAGE, 128, PEER_TOKENS, PEER_VOCAB)
+    model.train()
+    optimizer, loss_fn = build_optimizer(model, 5e-4, 0.1), ClipLoss()
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(batch_size, 3, PEER_IMAGE, PEER_IMAGE, generator=g)
+    ids = torch.randint(1, PEER_VOCAB, (batch_size, PEER_TOKENS), generator=g)
+
+    def forward_backward() -> None:
+        with sdpa_kernel(SDPBackend.MATH) if math_sdpa else nullcontext():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                image_features, text_features, logit_scale = model(pixels, ids)
+                loss = loss_fn(image_features.float(), text_features.float(), logit_scale.float())
+            loss.backward()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward()
+        optimizer.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+
+    def counted() -> None:
+        forward_backward()
+        optimizer.zero_grad(set_to_none=True)
+    return step, counted
+
+
+def _flops(fn) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
+    """Interleaved rounds of: fp32 peak, bf16 peak, then one step of each arm: clip_mini, clip_mini without each
+    lever, open_clip, open_clip under the math SDPA backend."""
+    import statistics
+
+    arms = {"clip_mini": _clip_mini_step(batch_size),
+            "clip_mini_without_plain_attention": _clip_mini_step(batch_size, "plain_attention"),
+            "clip_mini_without_fused_adamw": _clip_mini_step(batch_size, "fused_adamw"),
+            "open_clip": _open_clip_step(batch_size),
+            "open_clip_math_sdpa": _open_clip_step(batch_size, math_sdpa=True)}
+    flops = {name: _flops(counted) for name, (_, counted) in arms.items()}
+    for _ in range(warmup):
+        for step, _ in arms.values():
+            step()
+    times: dict[str, list] = {name: [] for name in arms}
+    peaks: dict[str, list] = {"fp32": [], "bf16": []}
+    for _ in range(rounds):
+        peaks["fp32"].append(matmul_peak(torch.float32, seconds=0.3))
+        peaks["bf16"].append(matmul_peak(torch.bfloat16, seconds=0.3))
+        for name, (step, _) in arms.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    fp32, bf16 = statistics.median(peaks["fp32"]), statistics.median(peaks["bf16"])
+    out = {"batch_pairs": batch_size, "rounds": rounds, "fp32_matmul_peak_gflops": fp32,
+           "bf16_matmul_peak_gflops": bf16}
+    for name in arms:
+        step_s = statistics.median(times[name])
+        gflops = flops[name] / 1e9 / step_s
+        out[name] = {"step_s": step_s, "pairs_per_s": batch_size / step_s, "gflop_per_step": flops[name] / 1e9,
+                     "achieved_gflops": gflops, "fraction_of_fp32_peak": gflops / fp32,
+                     "fraction_of_bf16_peak": gflops / bf16, "step_s_all": times[name]}
+    out["speedup_vs_open_clip"] = out["open_clip"]["step_s"] / out["clip_mini"]["step_s"]
+    out["speedup_vs_open_clip_math_sdpa"] = out["open_clip_math_sdpa"]["step_s"] / out["clip_mini"]["step_s"]
+    out["plain_attention_gain"] = out["clip_mini_without_plain_attention"]["step_s"] / out["clip_mini"]["step_s"]
+    out["fused_adamw_gain"] = out["clip_mini_without_fused_adamw"]["step_s"] / out["clip_mini"]["step_s"]
+    return out
 
 
 def _config(name: str, tmp: Path):
@@ -159,22 +314,36 @@ def _frozen_inputs(cfg, model, df, cache, device, images: int = 256):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    import importlib.util
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per config")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--configs", nargs="+", default=["tiny", "flickr8k", "flickr8k-pixels"],
+    p.add_argument("--rounds", type=int, default=8, help="interleaved peer rounds per batch size")
+    p.add_argument("--peer-batches", type=int, nargs="*", default=[128, 64], help="none: skip the peer")
+    p.add_argument("--configs", nargs="*", default=["tiny", "flickr8k", "flickr8k-pixels"],
                    help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    fp32, bf16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
-                          "fp32_matmul_peak_gflops": fp32, "bf16_matmul_peak_gflops": bf16,
                           # other processes competing for the cores make every number here smaller
                           "load_average_1min_at_start": os.getloadavg()[0]},
-              "configs": {}}
+              "peer": {}, "configs": {}}
+    if args.peer_batches and importlib.util.find_spec("open_clip") is None:
+        result["peer"] = {"skipped": "open_clip_torch is not installed (pip install -e '.[bench]')"}
+        print(f"peer: {result['peer']['skipped']}", file=sys.stderr)
+    elif args.peer_batches:
+        for batch in args.peer_batches:
+            r = bench_peer(batch, args.rounds, args.warmup)
+            result["peer"][str(batch)] = r
+            c, o = r["clip_mini"], r["open_clip"]
+            print(f"peer batch {batch}: clip_mini {c['pairs_per_s']:.0f} pairs/s ({c['achieved_gflops']:.0f} GFLOP/s, "
+                  f"{c['fraction_of_fp32_peak']:.2f}x fp32 peak {r['fp32_matmul_peak_gflops']:.0f}), open_clip "
+                  f"{o['pairs_per_s']:.0f} pairs/s: {r['speedup_vs_open_clip']:.2f}x "
+                  f"({r['speedup_vs_open_clip_math_sdpa']:.2f}x vs open_clip with math SDPA)", file=sys.stderr)
     for name in args.configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = _config(name, Path(tmp))
@@ -182,15 +351,18 @@ def main(argv: list[str] | None = None) -> dict:
                 result["configs"][name] = {"skipped": f"{FLICKR8K} not found"}
                 continue
             r = bench_config(cfg, Path(tmp), args.steps, args.warmup)
-            r["fraction_of_fp32_peak"] = r["achieved_gflops"] / fp32
-            r["fraction_of_bf16_peak"] = r["achieved_gflops"] / bf16 if r["precision"] == "bf16" else None
+            # the peaks right after the steps, so they share the steps' contention
+            fp32, bf16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
+            r.update(fp32_matmul_peak_gflops=fp32, bf16_matmul_peak_gflops=bf16,
+                     fraction_of_fp32_peak=r["achieved_gflops"] / fp32, fraction_of_bf16_peak=r["achieved_gflops"] / bf16)
             result["configs"][name] = r
         print(f"{name}: {r['pairs_per_s']:.0f} pairs/s, {r['achieved_gflops']:.0f} GFLOP/s "
-              f"({r['fraction_of_fp32_peak']:.0%} of fp32 peak {fp32:.0f}), data wait {r['data_wait_fraction']:.0%}",
+              f"({r['fraction_of_fp32_peak']:.2f}x fp32 peak {fp32:.0f}), data wait {r['data_wait_fraction']:.0%}",
               file=sys.stderr)
+    result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
     from clip_mini.io import atomic_write_json
 
-    atomic_write_json(ROOT / "benchmarks/results/train.json", result)
+    atomic_write_json(args.out, result)
     print(json.dumps(result, indent=2))
     return result
 
