@@ -212,3 +212,19 @@ def test_ray_flag_without_ray_says_how_to_install(shapes_wds, model_dir, tmp_pat
     assert main(["index", "--model", str(model_dir), "--shards", shapes_wds["train"], "--out", str(tmp_path / "ix"),
                  "--ray", "--quiet"]) == 2
     assert "pip install 'clip-mini[ray]'" in capsys.readouterr().err and not (tmp_path / "ix/manifest.json").exists()
+
+
+def test_serve_shows_shard_rows_read_back_by_offset(shapes_wds, model_dir, tmp_path):
+    pytest.importorskip("httpx", reason="FastAPI's TestClient needs httpx (test extra)")
+    from fastapi.testclient import TestClient
+
+    from clip_mini.serve.app import ServeConfig, create_app
+
+    assert main(["index", "--model", str(model_dir), "--shards", shapes_wds["train"], "--out", str(tmp_path / "ix"),
+                 "--quiet"]) == 0
+    ix = IndexReader.load(tmp_path / "ix")
+    with TestClient(create_app(ServeConfig(index=str(tmp_path / "ix"), allowed_hosts=["testserver"]))) as client:
+        got = client.get("/image/5")
+        assert got.status_code == 200 and got.content == read_image(ix.items, 5)   # the tar member's bytes
+        thumb = client.get("/thumb/5")
+        assert thumb.status_code == 200 and thumb.headers["content-type"] == "image/jpeg"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
@@ -270,3 +271,20 @@ def hit_image_files(items: dict[str, list], rows: Sequence[int]) -> Iterator[lis
                 pass   # the grid draws a missing file as an "unreadable" tile
             files.append(str(name))
         yield files
+
+
+def image_file(items: dict[str, list], row: int) -> str:
+    """A file holding row ``row``'s image: the row's own path, or (a shard row) a copy read from its shard by offset
+    into a per-user temporary folder, named by the row's sha256, so readers that open files (``clip-mini serve``'s
+    pictures and attention maps) work unchanged."""
+    if "shard" not in items:
+        return items["path"][row]
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"clip-mini-shard-images-{os.getuid()}"
+    out = folder / items["sha256"][row]
+    if not out.is_file():
+        folder.mkdir(mode=0o700, exist_ok=True)
+        with atomic_path(out) as tmp:
+            Path(tmp).write_bytes(read_image(items, row))
+    return str(out)

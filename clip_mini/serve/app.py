@@ -155,7 +155,9 @@ class Service:
         n = len(generation.index)
         if not 0 <= row < n:
             raise ApiError(404, f"no image with id {row} in generation {generation.number} (ids are 0..{n - 1})")
-        return generation.index.items["path"][row]
+        from clip_mini.retrieval.wds_source import image_file   # a WebDataset row: a copy read from its shard
+
+        return image_file(generation.index.items, row)
 
     def picture(self, kind: str, row: int, gen: Optional[int]) -> Response:
         path = self.row_path(row, gen)
