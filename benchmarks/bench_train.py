@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
             # the peaks right after the steps, so they share the steps' contention
             fp32, bf16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
             r.update(fp32_matmul_peak_gflops=fp32, bf16_matmul_peak_gflops=bf16,
-                     fraction_of_fp32_peak=r["achieved_gflops"] / fp32, fraction_of_bf16_peak=r["achieved_gflops"] / bf16)
+                     fraction_of_fp32_peak=r["achieved_gflops"] / fp32,
+                     fraction_of_bf16_peak=r["achieved_gflops"] / bf16)
             result["configs"][name] = r
         print(f"{name}: {r['pairs_per_s']:.0f} pairs/s, {r['achieved_gflops']:.0f} GFLOP/s "
               f"({r['fraction_of_fp32_peak']:.2f}x fp32 peak {fp32:.0f}), data wait {r['data_wait_fraction']:.0%}",
