@@ -6,8 +6,9 @@ for but absent. Loader settings that only help on a GPU (pinned memory, non-bloc
 """
 from __future__ import annotations
 
+import os
 import re
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -62,3 +63,11 @@ def enable_tf32(device: torch.device) -> None:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
+
+
+def loader_workers(workers: Optional[int]) -> int:
+    """``data.workers`` / ``--workers`` unset (None): 0 on a CPU-only machine (worker processes would compete with
+    the model for the cores), 4 where CUDA is available (a GPU step outruns one process decoding its images)."""
+    if workers is not None:
+        return workers
+    return min(4, os.cpu_count() or 1) if torch.cuda.is_available() else 0

@@ -3,15 +3,31 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import sys
 
-SIGNIFICANT = 6   # a float32 score or metric carries ~7 digits; more is noise (0.002222222276031971)
+
+def _as_float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def short_float(x: float) -> float:
+    """The shortest decimal that reads back as the same float32: scores and metrics are float32, and the digits a
+    float64 print adds beyond that are noise (0.002222222276031971 prints as 0.0022222223)."""
+    if not math.isfinite(x) or x == 0 or abs(x) > 3.4e38:
+        return x
+    target = _as_float32(x)
+    for digits in range(1, 10):
+        candidate = float(f"{x:.{digits}g}")
+        if _as_float32(candidate) == target:
+            return candidate
+    return x
 
 
 def rounded(obj):
-    """``obj`` with every float rounded to ``SIGNIFICANT`` significant digits (nested dicts and lists too)."""
+    """``obj`` with every float shortened by ``short_float`` (nested dicts and lists too)."""
     if isinstance(obj, float):
-        return obj if not math.isfinite(obj) or obj == 0 else float(f"{obj:.{SIGNIFICANT}g}")
+        return short_float(obj)
     if isinstance(obj, dict):
         return {k: rounded(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

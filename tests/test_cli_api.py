@@ -193,6 +193,11 @@ def test_device_errors_and_attention_refuses_non_vit_before_loading(model_dir, t
 def test_json_numbers_are_rounded(capsys):
     from clip_mini.printing import print_json
 
-    print_json({"score": 0.002222222276031971, "rows": [1.0000000001, 3], "n": 5, "nan": float("nan")})
+    print_json({"score": 0.002222222276031971, "rows": [1.0000000001, 3, 0.1], "n": 5, "nan": float("nan")})
     out = json.loads(capsys.readouterr().out)
-    assert out == {"score": 0.00222222, "rows": [1.0, 3], "n": 5, "nan": out["nan"]}
+    assert out == {"score": 0.0022222223, "rows": [1.0, 3, 0.1], "n": 5, "nan": out["nan"]}
+    # lossless for float32 values (what scores and metrics are): each reads back as the same float32
+    values = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    from clip_mini.printing import short_float
+
+    assert all(np.float32(short_float(float(v))) == v for v in values)

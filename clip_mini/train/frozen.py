@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from clip_mini.config import Config, PreprocessConfig
+from clip_mini.devices import loader_workers
 from clip_mini.train.accum import autocast
 
 FORMAT = 2   # 2: under bf16 the pass runs a bf16-weight copy of the tower (vision.inference_tower)
@@ -193,7 +194,8 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
                 dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
             what = f"token states before the last {blocks} blocks" if blocks else "image features"
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
-                               cfg.data.workers or 0, desc=f"frozen {what} ({split}, view {view + 1}/{views})",
+                               loader_workers(cfg.data.workers),
+                               desc=f"frozen {what} ({split}, view {view + 1}/{views})",
                                blocks=blocks)
             if write:
                 with atomic_path(path) as tmp:

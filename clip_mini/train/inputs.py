@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from clip_mini.config import Config, PreprocessConfig
 from clip_mini.data.dataset import load_splits as load_table_splits
+from clip_mini.devices import loader_workers
 
 
 def load_splits(cfg: Config, report_dir=None, progress: bool = True) -> dict[str, pd.DataFrame]:
@@ -124,7 +125,8 @@ def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tok
 
         steps = cfg.data.samples // (world_size * t.batch_size * t.accum_freq)
         return WdsTrainInputs(split_shards(cfg.data)[0], augment, CaptionCollate(tokenizer, max_length),
-                              t.batch_size, t.accum_freq, cfg.data.workers or 0, steps, t.seed, rank, world_size,
+                              t.batch_size, t.accum_freq, loader_workers(cfg.data.workers), steps, t.seed, rank,
+                              world_size,
                               cfg.data.shuffle_buffer)
     dataset = EpochDataset(CaptionDataset(df, augment, cache=cache), augment, cfg.train.seed)
     sampler = OneCaptionPerImageSampler(df["image_id"].tolist(), seed=cfg.train.seed, rank=rank,
@@ -132,4 +134,4 @@ def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tok
     t = cfg.train
     steps = len(sampler) // (t.batch_size * t.accum_freq)
     return TrainInputs(dataset, sampler, CaptionCollate(tokenizer, max_length), t.batch_size, t.accum_freq,
-                       cfg.data.workers or 0, steps)   # None (auto) is resolved by train(): 0 when called directly
+                       loader_workers(cfg.data.workers), steps)   # None: 4 with a GPU, else 0

@@ -6,7 +6,6 @@ per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -19,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from clip_mini.config import Config, save_config
+from clip_mini.devices import loader_workers
 from clip_mini.loss import ClipLoss
 from clip_mini.text import report_truncation
 from clip_mini.train import checkpoint as ckpt_io
@@ -56,10 +56,7 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
 
 
 def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) -> dict:
-    # -- set-up: threads, loader workers, run directory, resume point ----------------------------------------
-    if cfg.data.workers is None:   # auto: a GPU step outruns one process decoding its images; a CPU's does not
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=4 if info.device.type == "cuda"
-                                                                 else 0))
+    # -- set-up: threads, run directory, resume point --------------------------------------------------------
     t, main, device = cfg.train, info.is_main, info.device
     torch.set_num_threads(t.threads or default_threads(info))
     run, t0 = Path(t.out_dir), time.time()
@@ -342,7 +339,7 @@ def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog,
     tower = val_tower_features(model, frozen_feats["val"], t.eval_batch_size, device, t.precision) \
         if frozen_feats else None   # stored token states go through the current (fine-tuned) last blocks
     val = evaluate_model(model, df, transform, batch_size=t.eval_batch_size, cache=cache, device=device,
-                         precision=t.precision, workers=cfg.data.workers or 0, tower_features=tower)
+                         precision=t.precision, workers=loader_workers(cfg.data.workers), tower_features=tower)
     total, n = state["epoch_loss"]
     log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
              **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start})
