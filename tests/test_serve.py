@@ -416,7 +416,9 @@ def test_batcher_searches_waiting_queries_together(small_index):
 # -- the command -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,message", [(["--index", "missing"], "does not exist"),
                                           (["--index", "X", "--port", "0"], "--port"),
-                                          (["--index", "X", "--workers", "0"], "--workers")])
+                                          (["--index", "X", "--workers", "0"], "--workers"),
+                                          (["--index", "X", "--device", "tpu"], "tpu"),
+                                          (["--index", "X", "--device", "cuda:99"], "cuda:99")])
 def test_cli_errors(args, message, capsys, tmp_path):
     from clip_mini.cli import main
 

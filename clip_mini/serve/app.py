@@ -56,6 +56,7 @@ class ServeConfig:
     max_k: int = 100
     max_upload_bytes: int = 10 << 20        # the image itself; a base64 JSON body may be 4/3 of this
     float32_cache_bytes: int = 2 << 30      # float32 copy of the rows for exact search up to this size
+    device: str = "auto"                    # the torch model (attention maps); queries run in onnxruntime on the CPU
     encode_threads: int = 2                 # threads embedding queries (onnxruntime and Pillow release the GIL)
     allowed_hosts: list[str] = field(default_factory=lambda: ["*"])
 
@@ -85,7 +86,7 @@ class Service:
                                     cfg.float32_cache_bytes)
         self.batcher = SearchBatcher(lambda: self.watcher.current, lambda gen, q, k: gen.search(q, k))
         self._pool = ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="clip-mini-encode")
-        self.attention = AttentionRenderer(self.model_dir)
+        self.attention = AttentionRenderer(self.model_dir, cfg.device)
 
     # -- search ---------------------------------------------------------------------------------------------
     def check_k(self, k: int) -> int:

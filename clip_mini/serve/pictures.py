@@ -92,8 +92,8 @@ class AttentionRenderer:
     """PNG overlays of the ViT's CLS attention (mean over heads and layers), from the torch model, loaded on first
     use (the search path never needs torch)."""
 
-    def __init__(self, model_dir: str):
-        self.model_dir = model_dir
+    def __init__(self, model_dir: str, device: str = "auto"):
+        self.model_dir, self.device = model_dir, device
         self._embedder = None
         self._lock = threading.Lock()
 
@@ -102,7 +102,7 @@ class AttentionRenderer:
             if self._embedder is None:
                 import clip_mini
 
-                self._embedder = clip_mini.load(self.model_dir)
+                self._embedder = clip_mini.load(self.model_dir, device=self.device)
         return self._embedder
 
     def unavailable(self) -> Optional[str]:

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1, help="server processes, each with its own model and index")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between checks for a new index generation")
+    from clip_mini.cli import add_device
+
+    add_device(p)   # where the torch model runs (attention maps); queries run in onnxruntime
 
 
 class ServeError(ValueError):
@@ -49,7 +52,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from clip_mini.serve.app import ServeConfig, Service, create_app
     except ImportError as e:
         raise ServeError(f"clip-mini serve needs the serve extra ({e}): pip install 'clip-mini[serve]'") from None
-    cfg = ServeConfig(index=args.index, model=args.model, poll_s=args.poll, allowed_hosts=allowed_hosts(args.host))
+    device = args.device
+    if device not in ("auto", "cpu"):   # checked (exit 2) before anything loads; "auto" leaves torch unimported
+        from clip_mini.devices import resolve_device
+
+        device = str(resolve_device(device))
+    cfg = ServeConfig(index=args.index, model=args.model, poll_s=args.poll, allowed_hosts=allowed_hosts(args.host),
+                      device=device)
     service = Service(cfg)
     gen = service.watcher.current
     host = f"[{args.host}]" if ":" in args.host else args.host
