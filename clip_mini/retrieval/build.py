@@ -38,7 +38,7 @@ class _Work:
 
     def __init__(self, index_dir: Path, fingerprint: str):
         self.dir = index_dir / ".work"
-        if self.dir.is_dir() and _read_json(self.dir / "work.json").get("fingerprint") != fingerprint:
+        if self.dir.is_dir() and read_work_json(self.dir / "work.json").get("fingerprint") != fingerprint:
             shutil.rmtree(self.dir)   # left by another model (or damaged): useless
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.dir / "work.json", {"fingerprint": fingerprint})
@@ -48,7 +48,7 @@ class _Work:
         self._next = 0
         for j in sorted(self.dir.glob("chunk-*.json")):   # the .json is written last: present = chunk complete
             self._next = max(self._next, int(j.stem.split("-")[1]) + 1)
-            rec = _read_json(j)
+            rec = read_work_json(j)
             try:
                 emb = np.load(j.with_suffix(".npy"), mmap_mode="r", allow_pickle=False)
                 self._register(rec["hashes"], rec["bad"], emb)
@@ -76,7 +76,8 @@ class _Work:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _read_json(path: Path) -> dict:
+def read_work_json(path: Path) -> dict:
+    """A work record of an unfinished build, or {} when it is missing or damaged (its work is then redone)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

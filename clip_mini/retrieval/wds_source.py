@@ -12,7 +12,6 @@ The embedding pass is pluggable: ``embed_local`` (this process) or ``ray_index.e
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ import numpy as np
 from clip_mini.data.readers import DataError
 from clip_mini.data.webdataset import SkipLog, decode_image, iter_shard, read_member, shard_identity_of
 from clip_mini.io import atomic_path, atomic_write_json
-from clip_mini.retrieval.build import _write_skipped, faiss_kind, write_embeddings
+from clip_mini.retrieval.build import _write_skipped, faiss_kind, read_work_json, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
 
@@ -35,7 +34,7 @@ class Parts:
 
     def __init__(self, index_dir: Path, fingerprint: str):
         self.dir = index_dir / ".work"
-        meta = _read_json(self.dir / "work.json")
+        meta = read_work_json(self.dir / "work.json")
         if self.dir.is_dir() and meta.get("fingerprint") != fingerprint:
             import shutil
 
@@ -49,7 +48,7 @@ class Parts:
         self._next = 0
         for j in sorted(self.dir.glob("part-*.json")):   # the .json is written last: present = part complete
             self._next = max(self._next, int(j.stem.split("-")[1]) + 1)
-            rec = _read_json(j)
+            rec = read_work_json(j)
             try:
                 self._register(rec, np.load(j.with_suffix(".npy"), mmap_mode="r", allow_pickle=False))
             except (KeyError, ValueError, OSError):
@@ -80,14 +79,6 @@ class Parts:
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def empty_rows() -> dict[str, list]:
