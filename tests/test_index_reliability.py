@@ -25,11 +25,11 @@ from clip_mini.retrieval.index import EmbeddingIndex
 from clip_mini.retrieval.files import scan_images
 model_dir, folder, out = sys.argv[1:4]
 embedder = clip_mini.load(model_dir)
-encode = embedder.model.encode_image
+encode = embedder.model.project_image
 def slow(pixels, *a, **k):
     time.sleep(0.4)   # leaves time to be killed between chunks
     return encode(pixels, *a, **k)
-embedder.model.encode_image = slow
+embedder.model.project_image = slow   # every indexing path ends in the image head
 EmbeddingIndex.build(out, embedder, scan_images(folder), batch_size=2, flush_every=2, progress=False)
 """
 

@@ -88,7 +88,7 @@ def test_trainer_checks_name_the_key(override, key):
 @pytest.mark.parametrize("argv, key", [
     (["--set", "train.epochz=3"], "train.epochz"),
     (["--set", "train.lr=-1"], "train.lr"),
-    (["--set", "train.precision=fp16"], "train.precision"),
+    (["--set", "train.precision=fp8"], "train.precision"),
     (["--set", "train.best_metric=acc"], "train.best_metric"),
 ])
 def test_cli_rejects_bad_config_before_any_work(argv, key, tmp_path, capsys):
