@@ -31,9 +31,10 @@ def cmd_index(args: argparse.Namespace) -> int:
     if args.model is None or (args.images is None and args.data is None and args.captions is None):
         raise EmbeddingIndexError("index needs --model and one of --images FOLDER, --captions FILE or --data CONFIG "
                                   "(or --merge)")
-    from clip_mini.devices import resolve_device
+    from clip_mini.devices import resolve_device, resolve_precision
 
     device = resolve_device(args.device)   # a bad --device fails before anything is read
+    precision = resolve_precision(args.precision, device)
     shard, world = _shard_from(args.shard, parse_shard)
     if world is not None and device.type == "cuda":
         device = _rank_device()
@@ -44,8 +45,9 @@ def cmd_index(args: argparse.Namespace) -> int:
     embedder = clip_mini.load(args.model, device=device, batch_size=args.batch_size)
     index = sync_index(args.out, embedder, images, captions=captions, prune=not args.add,
                        batch_size=args.batch_size, workers=default_workers(args.workers, device),
-                       precision="bf16" if args.bf16 else "fp32", faiss=args.faiss, shard=shard, source=source,
-                       model_dir=args.model, progress=progress, recall_target=args.recall_target)
+                       precision=precision, faiss=args.faiss, shard=shard, source=source,
+                       model_dir=args.model, progress=progress, recall_target=args.recall_target,
+                       memory_budget=None if args.memory_budget is None else args.memory_budget * 2**30)
     print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}")
     if world is not None:   # launched by torchrun: wait for every rank, then rank 0 merges the shards
         world.barrier()
@@ -69,7 +71,9 @@ def _index_shards(args: argparse.Namespace, progress: bool) -> int:
 
     shards = expand_shards(args.shards)
     embedder = clip_mini.load(args.model, batch_size=args.batch_size)
-    precision = "bf16" if args.bf16 else "fp32"
+    from clip_mini.devices import resolve_device, resolve_precision
+
+    precision = resolve_precision(args.precision, resolve_device(args.device))
     embed = None
     if args.ray is not None:
         from clip_mini.retrieval.ray_index import ray_embedder

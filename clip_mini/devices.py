@@ -65,6 +65,35 @@ def enable_tf32(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 runs natively fast on ``device``: a CUDA GPU with bf16, or a CPU with AVX-512 BF16 or AMX.
+
+    On such a CPU a bf16 matmul is ~4x an fp32 one; without those instructions bf16 is emulated and slower than
+    fp32, so "auto" precision picks fp32 there. Reads the Linux CPU flags; elsewhere answers False (fp32).
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_precision(precision: Optional[str], device: torch.device) -> str:
+    """``"auto"`` / None -> ``"bf16"`` where ``fast_bf16(device)``, else ``"fp32"``; anything else unchanged."""
+    if precision in (None, "auto"):
+        return "bf16" if fast_bf16(device) else "fp32"
+    return precision
+
+
 def loader_workers(workers: Optional[int]) -> int:
     """``data.workers`` / ``--workers`` unset (None): 0 on a CPU-only machine (worker processes would compete with
     the model for the cores), 4 where CUDA is available (a GPU step outruns one process decoding its images)."""

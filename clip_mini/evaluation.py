@@ -13,6 +13,7 @@ import torch
 
 from clip_mini.evaluate import retrieval_metrics
 from clip_mini.loss import clip_loss
+from clip_mini.model import ImageForward
 from clip_mini.precision import autocast
 
 
@@ -26,18 +27,12 @@ def _image_features(model, paths: list[str], transform, cache, batch_size: int, 
     loader = DataLoader(ImageDataset(paths, transform, cache), batch_size=batch_size, num_workers=workers,
                         generator=torch.Generator(),   # never moves the global RNG (exact resume)
                         pin_memory=device.type == "cuda")
-    # The same gradient-free tower as the frozen-feature pass and indexing (a bf16-weight copy under bf16), so
+    # The same gradient-free pass as the frozen-feature store and indexing (a bf16-weight tower under bf16), so
     # `clip-mini eval`, the trainer's val rows and stored features all score one set of tower outputs.
-    from clip_mini.vision import inference_tower, tower_input
-
-    tower = inference_tower(model.visual, precision)
-    cast = precision if tower is model.visual else "fp32"   # the bf16 copy runs as it is, without autocast
+    forward = ImageForward(model, precision, device)
     out, oks = [], []
     for pixels, _, ok in loader:
-        with autocast(device, cast):
-            tower_features = tower(tower_input(tower, pixels.to(device, non_blocking=True)))
-        with autocast(device, precision):
-            out.append(model.project_image(tower_features.float()).float())
+        out.append(forward(pixels))
         oks.append(ok)
     return torch.cat(out), torch.cat(oks)
 

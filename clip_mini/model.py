@@ -19,7 +19,8 @@ from clip_mini.io import atomic_dir, atomic_write_json, sha256_file
 from clip_mini.manifest import (MODEL_FILES, ModelDirError, fingerprint as _fingerprint, model_fingerprint,
                                  read_json as _read_json, read_manifest)
 from clip_mini.text import TextEncoder, build_tokenizer, load_tokenizer, resolve_text_config
-from clip_mini.vision import ImageEncoder
+from clip_mini.precision import autocast
+from clip_mini.vision import ImageEncoder, inference_tower, tower_input
 
 FORMAT_VERSION = 1
 
@@ -182,3 +183,25 @@ def apply_trainable(model: CLIPModel) -> None:
 
 __all__ = ["CLIPModel", "ProjectionHead", "ModelDirError", "read_manifest", "model_fingerprint",
            "VisionConfig", "TextConfig"]
+
+
+class ImageForward:
+    """Pixels -> unit image embeddings for a pass without gradients: indexing, evaluation, ``bench_index.py``.
+
+    Under bf16 the tower is a bf16-weight copy run without autocast (``vision.inference_tower``: 1.5-2x autocast's
+    images/s, within 1e-2 cosine of fp32); the projection head runs under autocast and rows are normalised in
+    fp32. One object per pass: building it copies the tower.
+    """
+
+    def __init__(self, model: CLIPModel, precision: str, device: torch.device | str):
+        self.model, self.precision, self.device = model, precision, torch.device(device)
+        self.tower = inference_tower(model.visual, precision)
+        self.cast = precision if self.tower is model.visual else "fp32"   # the bf16 copy runs as it is
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> (B, E) float32 unit rows on the model's device."""
+        with torch.inference_mode():
+            with autocast(self.device, self.cast):
+                tower_features = self.tower(tower_input(self.tower, pixels.to(self.device, non_blocking=True)))
+            with autocast(self.device, self.precision):
+                return self.model.project_image(tower_features.float()).float()

@@ -1,6 +1,8 @@
 """The speed paths compute what the plain ones do: plain vs fused attention, bf16-weight towers, bf16 indexing."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -101,8 +103,27 @@ def test_train_reports_where_its_time_went(tmp_path):
         "model.text.hidden_dim=64", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=16",
         "data.val=12", "train.batch_size=16", "train.epochs=1", "train.threads=1", "train.eval_batch_size=64",
         f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / 'run'}"])
-    times = train(cfg)["time_breakdown"]
+    result = train(cfg)
+    times = result["time_breakdown"]
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())   # the same record, on disk
+    assert saved["time_breakdown"] == pytest.approx(times) and saved["step"] == result["step"]
     assert {"steps_s", "data_wait_s", "evaluation_s", "checkpoints_s", "other_s", "total_s"} <= times.keys()
     assert all(v >= 0 for v in times.values())
     assert sum(v for k, v in times.items() if k != "total_s") == pytest.approx(times["total_s"])
     assert "feature_pass_s" not in times   # no locked tower here: nothing precomputed
+
+
+def test_index_precision_auto_is_bf16_only_where_bf16_is_native(monkeypatch):
+    import clip_mini.devices as devices
+    from clip_mini.cli import build_parser
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: {"avx512f", "avx2"})   # bf16 emulated: slower than fp32
+    assert devices.resolve_precision("auto", cpu) == "fp32"
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert devices.resolve_precision(None, cpu) == "bf16"
+    assert devices.resolve_precision("fp32", cpu) == "fp32"   # an explicit choice is kept
+    parse = build_parser().parse_args
+    assert parse(["index", "--model", "m", "--images", "i", "--out", "o"]).precision == "auto"
+    assert parse(["index", "--model", "m", "--images", "i", "--out", "o", "--bf16"]).precision == "bf16"
+    assert parse(["index", "--model", "m", "--images", "i", "--out", "o", "--precision", "fp32"]).precision == "fp32"

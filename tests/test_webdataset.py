@@ -45,8 +45,10 @@ def shapes_wds(tmp_path_factory):
 
 
 def test_index_from_shards_equals_the_folder_index(shapes_wds, model_dir, tmp_path):
+    # fp32 on both sides, so the rows can be compared bit for bit (the CLI's default is bf16 on a CPU with native
+    # bf16; tests/test_speed_paths.py bounds that against fp32)
     assert main(["index", "--model", str(model_dir), "--shards", shapes_wds["train"], "--out",
-                 str(tmp_path / "wds"), "--quiet"]) == 0
+                 str(tmp_path / "wds"), "--precision", "fp32", "--quiet"]) == 0
     import clip_mini
 
     df = shapes_wds["splits"]["train"]

@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from clip_mini.model import ImageForward
 from clip_mini.retrieval.format import EmbeddingIndexError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -39,18 +40,13 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
 
     from clip_mini.data import ImageDataset, ImageError, load_image
 
-    from clip_mini.precision import autocast
-    from clip_mini.vision import inference_tower, tower_input
-
     if precision not in ("fp32", "bf16", "fp16"):
         raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
     device = torch.device(embedder.device)
     # Pinned batches let the copy to a GPU run while the next batch decodes.
     loader = DataLoader(ImageDataset(paths, embedder.transform), batch_size=batch_size, num_workers=workers,
                         shuffle=False, pin_memory=device.type == "cuda")
-    model = embedder.model
-    tower = inference_tower(model.visual, precision)   # bf16: a bf16-weight copy, 1.5-2x autocast's images/s
-    cast = precision if tower is model.visual else "fp32"   # that copy runs as it is, without autocast
+    forward = ImageForward(embedder.model, precision, device)   # the same pass as eval and the feature store
     with tqdm(total=len(paths), desc=desc, unit="img", disable=not progress) as bar, torch.inference_mode():
         for pixels, idx, ok in loader:
             bad = {}
@@ -62,11 +58,7 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
                     bad[i] = getattr(e, "reason", str(e))
             feats = np.zeros((0, embedder.dim), np.float32)
             if ok.any():
-                with autocast(device, cast):
-                    tower_features = tower(tower_input(tower, pixels[ok].to(device, non_blocking=True)))
-                with autocast(device, precision):
-                    out = model.project_image(tower_features.float())
-                # Renormalise in fp32: bf16 rounding leaves rows slightly off the unit sphere.
-                feats = torch.nn.functional.normalize(out.float(), dim=-1).cpu().numpy()
+                feats = forward(pixels[ok]).cpu().numpy()
             bar.update(len(idx))
             yield idx[ok].numpy(), feats, bad
+

@@ -56,13 +56,16 @@ class EmbedActor:
         import clip_mini
 
         torch.set_num_threads(1)   # one core per actor: the pool, not threads, spreads the work
-        self.embedder, self.precision = clip_mini.load(model_dir), precision
+        from clip_mini.model import ImageForward
+
+        self.embedder = clip_mini.load(model_dir)
+        self.forward = ImageForward(self.embedder.model, precision, self.embedder.device)
 
     def __call__(self, batch: dict) -> dict:
         n = len(batch["key"])
         todo = [i for i in range(n) if not batch["reason"][i]]
         feats, bad = embed_images(self.embedder, [batch["image"][i] for i in todo],
-                                  [f"{batch['shard'][i]}:{batch['key'][i]}" for i in todo], self.precision)
+                                  [f"{batch['shard'][i]}:{batch['key'][i]}" for i in todo], self.forward)
         out = np.zeros((n, self.embedder.dim), np.float32)
         reason = [str(r) for r in batch["reason"]]
         ok = [i for j, i in enumerate(todo) if j not in bad]

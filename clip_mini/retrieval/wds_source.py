@@ -22,6 +22,7 @@ import numpy as np
 from clip_mini.data.readers import DataError
 from clip_mini.data.webdataset import SkipLog, decode_image, iter_shard, read_member, shard_identity_of
 from clip_mini.io import atomic_path, atomic_write_json
+from clip_mini.model import ImageForward
 from clip_mini.retrieval.build import _write_skipped, faiss_kind, read_work_json, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
@@ -85,9 +86,12 @@ def empty_rows() -> dict[str, list]:
     return {f: [] for f in ROW_FIELDS}
 
 
-def embed_images(embedder, blobs: Sequence[bytes], names: Sequence[str], precision: str = "fp32"
+def embed_images(embedder, blobs: Sequence[bytes], names: Sequence[str], forward: ImageForward
                  ) -> tuple[np.ndarray, dict[int, str]]:
-    """Decode, transform and embed image bytes: ``(features (k, d) float32 of the decodable ones, {i: reason})``."""
+    """Decode, transform and embed image bytes: ``(features (k, d) float32 of the decodable ones, {i: reason})``.
+
+    ``forward`` is the folder path's own (``model.ImageForward``), so shards and folders store the same rows.
+    """
     import torch
 
     from clip_mini.data.images import ImageError
@@ -100,10 +104,7 @@ def embed_images(embedder, blobs: Sequence[bytes], names: Sequence[str], precisi
             bad[i] = e.reason
     if not pixels:
         return np.zeros((0, embedder.dim), np.float32), bad
-    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
-        out = embedder.model.encode_image(torch.stack(pixels).to(embedder.device))
-    # Renormalise in fp32 as the folder path does: bf16 rounding leaves rows slightly off the unit sphere.
-    return torch.nn.functional.normalize(out.float(), dim=-1).cpu().numpy(), bad
+    return forward(torch.stack(pixels)).cpu().numpy(), bad
 
 
 def embed_local(embedder, shards: Sequence[str], parts: Parts, batch_size: int, precision: str,
@@ -111,13 +112,14 @@ def embed_local(embedder, shards: Sequence[str], parts: Parts, batch_size: int, 
     """Embed each shard in this process; one part per shard (a kill loses at most the shard being read)."""
     from tqdm import tqdm
 
+    forward = ImageForward(embedder.model, precision, embedder.device)
     for url in tqdm(shards, desc="embedding shards", unit="shard", disable=not progress):
         size, mtime = shard_identity_of(url)
         log = SkipLog("index", show=5 if progress else 0)
         rows, feats, batch = empty_rows(), [], []
 
         def flush() -> None:
-            f, bad = embed_images(embedder, [s.image for s in batch], [f"{url}:{s.key}" for s in batch], precision)
+            f, bad = embed_images(embedder, [s.image for s in batch], [f"{url}:{s.key}" for s in batch], forward)
             for i, s in enumerate(batch):
                 if i in bad:
                     log(url, s.key, bad[i])
@@ -186,7 +188,7 @@ def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: 
         write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, embedder.dim)
         meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": None,
                 "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
-        commit(path, generation, rows, meta, faiss_kind(faiss, old, len(plan)), progress)
+        commit(path, generation, rows, meta, faiss_kind(faiss, old, len(plan), embedder.dim), progress)
         parts.remove()
     return IndexReader.load(path, verify=False)
 
