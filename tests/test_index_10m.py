@@ -95,3 +95,21 @@ def test_auto_picks_ivfpq_above_its_threshold_and_the_reader_reranks(rows, tmp_p
     s_exact, i_exact = index.search(q, 10, backend="exact")
     np.testing.assert_allclose(s_auto, np.take_along_axis(q @ np.asarray(rows, np.float32).T, i_auto, 1), atol=1e-5)
     assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(i_auto, i_exact)]) >= 0.9
+
+
+def test_faiss_auto_keeps_to_the_memory_budget(monkeypatch):
+    from clip_mini.retrieval.format import EmbeddingIndexError
+
+    monkeypatch.setattr(S, "faiss_available", lambda: True)
+    n, dim = 1_000_000, 256
+    hnsw, ivfpq = S.faiss_memory("hnsw", n, dim), S.faiss_memory("ivfpq", n, dim)
+    assert ivfpq < hnsw / 10   # PQ codes: a few percent of the float32 rows HNSW keeps
+    assert faiss_kind("auto", None, n, dim, memory_budget=hnsw) == "hnsw"
+    assert faiss_kind("auto", None, n, dim, memory_budget=hnsw - 1) == "ivfpq"   # HNSW no longer fits
+    with pytest.raises(EmbeddingIndexError, match="memory budget.*--faiss none"):
+        faiss_kind("auto", None, n, dim, memory_budget=ivfpq - 1)
+    monkeypatch.setattr("clip_mini.retrieval.build.available_memory", lambda: 2 * hnsw)   # default: half of it
+    assert faiss_kind("auto", None, n, dim) == "hnsw"
+    monkeypatch.setattr("clip_mini.retrieval.build.available_memory", lambda: 2 * hnsw - 2)
+    assert faiss_kind("auto", None, n, dim) == "ivfpq"
+    assert faiss_kind("hnsw", None, n, dim, memory_budget=1) == "hnsw"   # an explicit kind is the user's call

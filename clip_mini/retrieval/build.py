@@ -112,7 +112,7 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
                prune: bool = True, batch_size: int = 64, workers: int = 0, precision: str = "fp32",
                faiss: str = "auto", shard: Optional[tuple[int, int]] = None, flush_every: int = 1024,
                source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True,
-               recall_target: Optional[float] = None) -> IndexReader:
+               recall_target: Optional[float] = None, memory_budget: Optional[float] = None) -> IndexReader:
     """Bring the index at ``path`` up to date with ``images``.
 
     Args:
@@ -130,6 +130,7 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         source: folder or captions file the images came from (recorded in the manifest).
         model_dir: the model directory (recorded so ``clip-mini search`` finds the model by default).
         recall_target: recall@10 the faiss search parameter is tuned to (default ``faiss_auto.RECALL_TARGET``).
+        memory_budget: bytes the faiss index may take in RAM, for ``faiss="auto"`` (see ``faiss_kind``).
 
     Raises:
         EmbeddingIndexError: no images, no usable image, an index built with another model, a busy index.
@@ -162,7 +163,7 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
             raise EmbeddingIndexError(f"none of the {len(images)} images could be embedded (see {path}/skipped.csv)")
         if progress and skipped:
             print(f"index: skipped {len(skipped)} unusable images (see {path / 'skipped.csv'})")
-        kind = faiss_kind(faiss, old, len(rows["path"]))
+        kind = faiss_kind(faiss, old, len(rows["path"]), embedder.dim, memory_budget)
         if old is not None and _unchanged(old, rows, kind):
             work.remove()
             return old
@@ -260,11 +261,19 @@ def _unchanged(old: IndexReader, rows: dict[str, list], kind: Optional[str]) -> 
         and kind == old.manifest.get("faiss_kind")
 
 
-def faiss_kind(faiss: str, old: Optional[IndexReader], count: int) -> Optional[str]:
+def faiss_kind(faiss: str, old: Optional[IndexReader], count: int, dim: int = 256,
+               memory_budget: Optional[float] = None) -> Optional[str]:
+    """The faiss index to store for ``count`` rows of width ``dim``: the user's choice, or for "auto" the index's
+    own kind, else none below ``search.FAISS_THRESHOLD`` rows, HNSW (fastest at a recall) while its float32 rows and
+    graph fit ``memory_budget`` bytes (default: half the memory available now) and the rows are below
+    ``search.IVFPQ_THRESHOLD`` (HNSW builds slowly past that), else IVF-PQ, whose codes are a few percent of the
+    rows (re-ranked exactly from the memory-mapped rows)."""
     from clip_mini.retrieval import search as S
 
     if faiss not in ("auto", "none", "hnsw", "ivf", "ivfpq"):
         raise EmbeddingIndexError(f"faiss must be auto, none, hnsw, ivf or ivfpq, got {faiss!r}")
+    if memory_budget is not None and not memory_budget > 0:
+        raise EmbeddingIndexError(f"--memory-budget must be positive, got {memory_budget}")
     if faiss == "none":
         return None
     if faiss != "auto":
@@ -275,7 +284,27 @@ def faiss_kind(faiss: str, old: Optional[IndexReader], count: int) -> Optional[s
         return old.manifest["faiss_kind"]
     if count < S.FAISS_THRESHOLD or not S.faiss_available():
         return None
-    return "ivfpq" if count >= S.IVFPQ_THRESHOLD else "hnsw"   # past RAM: compressed codes, exact re-ranking
+    budget = available_memory() / 2 if memory_budget is None else memory_budget
+    if count < S.IVFPQ_THRESHOLD and S.faiss_memory("hnsw", count, dim) <= budget:
+        return "hnsw"
+    need = S.faiss_memory("ivfpq", count, dim)
+    if need > budget:
+        raise EmbeddingIndexError(f"no faiss index of {count:,} rows fits the memory budget of {budget / 2**30:.2f} "
+                                  f"GiB (IVF-PQ needs ~{need / 2**30:.2f} GiB): raise --memory-budget or use "
+                                  "--faiss none (exact search reads the rows from disk)")
+    return "ivfpq"
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (Linux MemAvailable; else total physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _write_skipped(path: Path, skipped: dict[str, str]) -> None:

@@ -36,7 +36,20 @@ FAISS_THRESHOLD = 500_000
 # 0.4 GB at 10M), its approximate scores re-ranked exactly from the memory-mapped float16 rows.
 # Figures: benchmarks/results/index_10m.json (benchmarks/bench_index_10m.py).
 IVFPQ_THRESHOLD = 2_000_000
-IVFPQ_MIN_ROWS = 10_000   # PQ's 256 centroids per sub-vector need ~39 training rows each
+IVFPQ_MIN_ROWS = 10_000
+HNSW_M = 32   # graph neighbours per row (two levels' worth of int32 links, ~2 * M * 4 bytes a row)
+
+
+def faiss_memory(kind: str, n: int, dim: int) -> int:
+    """Bytes a faiss index of ``n`` rows of width ``dim`` holds in RAM when searched (the estimate ``--faiss auto``
+    checks against its memory budget; ``benchmarks/results/index_10m.json`` measures the real ones)."""
+    if kind == "hnsw":
+        return n * (4 * dim + 2 * HNSW_M * 4 + 8)        # float32 rows + links + level/offset bookkeeping
+    if kind == "ivf":
+        return n * (4 * dim + 8) + int(4 * math.sqrt(n)) * dim * 4   # float32 rows + ids + centroids
+    if kind == "ivfpq":
+        return n * (dim // 8 + 8) + min(int(math.sqrt(n)), 4096) * dim * 4 + 256 * dim * 4   # codes, ids, tables
+    raise ValueError(f"unknown faiss index kind {kind!r}")   # PQ's 256 centroids per sub-vector need ~39 training rows each
 # IVF-PQ candidates per wanted result, re-scored exactly: 10 gave recall@10 0.92 at 300k clustered rows but 0.68
 # at 1M (near neighbours' scores crowd together as an index grows, finer than 8-bit PQ codes resolve); 50 costs
 # ~1 ms more a query (500 rows read from the memory map) and holds recall (benchmarks/results/index_10m.json)
@@ -208,7 +221,7 @@ def build_faiss(embeddings: np.ndarray, kind: FaissKind = "hnsw", seed: int = 0,
     faiss = _faiss()
     n, dim = embeddings.shape
     if kind == "hnsw":
-        index = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
+        index = faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = 80
         index.hnsw.efSearch = 64
     elif kind == "ivf":

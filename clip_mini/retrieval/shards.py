@@ -55,6 +55,6 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
         m0 = parts[0].manifest
         meta = {"model_fingerprint": m0["model_fingerprint"], "model_dir": m0.get("model_dir"),
                 "source": m0.get("source"), "shard": None}
-        kind = faiss_kind(faiss, None, len(plan))
+        kind = faiss_kind(faiss, None, len(plan), parts[0].dim)
         commit(path, generation, rows, meta, kind, progress)
     return IndexReader.load(path, verify=False)
