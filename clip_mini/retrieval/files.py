@@ -10,7 +10,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from clip_mini.model import ImageForward
 from clip_mini.retrieval.format import EmbeddingIndexError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -39,6 +38,7 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
     from tqdm import tqdm
 
     from clip_mini.data import ImageDataset, ImageError, load_image
+    from clip_mini.model import ImageForward
 
     if precision not in ("fp32", "bf16", "fp16"):
         raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")

@@ -15,17 +15,19 @@ import hashlib
 import os
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from clip_mini.data.readers import DataError
 from clip_mini.data.webdataset import SkipLog, decode_image, iter_shard, read_member, shard_identity_of
 from clip_mini.io import atomic_path, atomic_write_json
-from clip_mini.model import ImageForward
 from clip_mini.retrieval.build import _write_skipped, faiss_kind, read_work_json, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
+
+if TYPE_CHECKING:   # the query path imports this module and must not pull in torch
+    from clip_mini.model import ImageForward
 
 ROW_FIELDS = ("shard", "size", "mtime_ns", "key", "caption", "offset", "length", "sha256")
 
@@ -111,6 +113,8 @@ def embed_local(embedder, shards: Sequence[str], parts: Parts, batch_size: int, 
                 progress: bool) -> None:
     """Embed each shard in this process; one part per shard (a kill loses at most the shard being read)."""
     from tqdm import tqdm
+
+    from clip_mini.model import ImageForward
 
     forward = ImageForward(embedder.model, precision, embedder.device)
     for url in tqdm(shards, desc="embedding shards", unit="shard", disable=not progress):
