@@ -2,12 +2,15 @@
 
     python benchmarks/bench_index.py [--images ../shared/data/flickr8k/images] [--limit 2000] [--stub-files 100000]
 
-Model: the ``configs/tiny.yaml`` architecture, untrained (speed does not depend on the weights).
-Measured, each in a fresh process so peak RSS is per variant:
+Models (``--configs``): the ``configs/tiny.yaml`` architecture (a 64 px tower: JPEG decoding is most of the work)
+and ``configs/flickr8k.yaml``'s (EfficientNet-Lite0: the forward is), both untrained (speed does not depend on the
+weights). Measured, each in a fresh process so peak RSS is per variant:
 
-* ``forward``: ``encode_image`` on ready (B, 3, S, S) tensors, fp32 and bf16: the ceiling for indexing;
+* ``forward``: ``model.ImageForward`` (the pass indexing runs) on ready (B, 3, S, S) tensors, fp32 and bf16, median
+  batch: the ceiling for indexing;
 * ``index``: ``sync_index`` on ``limit`` JPEGs (stat, sha256, decode, resize, forward, chunked writes, commit),
-  with 0 and 1 DataLoader workers;
+  fp32 and bf16, with 0 and 1 DataLoader workers; ``vs_forward`` is its images/s over the forward's at the same
+  precision;
 * ``stub``: the index machinery alone on ``stub_files`` tiny files (on tmpfs when available) with a stub model
   returning random vectors, showing that memory stays bounded as the file count grows (the claim: 100k images
   in under 2 GB RSS; most of the ~1 GB is torch itself).
@@ -39,33 +42,40 @@ def _peak_rss_mb() -> float:
     return round(max(own, kids) / 1024, 1)
 
 
-def make_model(out: Path) -> None:
+def make_model(out: Path, config: str) -> None:
     from clip_mini.config import load_config
     from clip_mini.model import CLIPModel
 
-    CLIPModel.build(load_config(ROOT / "configs/tiny.yaml").model, captions=["a photo"] * 8).save_pretrained(out)
+    # untrained (speed does not depend on the weights); a pretrained text tower still brings its own vocabulary
+    CLIPModel.build(load_config(ROOT / config).model, captions=["a photo"] * 8,
+                    load_pretrained=False).save_pretrained(out)
 
 
 def run_forward(model_dir: str, batch: int, n_batches: int) -> dict:
+    """The ceiling for indexing: ``model.ImageForward`` (the pass indexing runs) on ready pixel tensors."""
     import torch
 
     import clip_mini
+    from clip_mini.model import ImageForward
 
     e = clip_mini.load(model_dir)
     size = e.model.preprocess.image_size
     pixels = torch.randn(batch, 3, size, size)
     out = {}
     for precision in ("fp32", "bf16"):
-        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
-            e.model.encode_image(pixels)   # warm-up
+        forward = ImageForward(e.model, precision, "cpu")
+        forward(pixels)   # warm-up
+        times = []
+        for _ in range(n_batches):
             t = time.perf_counter()
-            for _ in range(n_batches):
-                e.model.encode_image(pixels)
-            out[precision] = round(batch * n_batches / (time.perf_counter() - t), 1)
-    return {"images_per_s": out, "batch": batch, "threads": torch.get_num_threads(), "peak_rss_mb": _peak_rss_mb()}
+            forward(pixels)
+            times.append(time.perf_counter() - t)
+        out[precision] = round(batch / sorted(times)[len(times) // 2], 1)   # median batch
+    return {"images_per_s": out, "batch": batch, "image_size": size, "threads": torch.get_num_threads(),
+            "peak_rss_mb": _peak_rss_mb()}
 
 
-def run_index(model_dir: str, folder: str, limit: int, workers: int, out_dir: str) -> dict:
+def run_index(model_dir: str, folder: str, limit: int, workers: int, precision: str, out_dir: str) -> dict:
     import clip_mini
     from clip_mini.retrieval.files import scan_images
     from clip_mini.retrieval.build import sync_index
@@ -73,12 +83,12 @@ def run_index(model_dir: str, folder: str, limit: int, workers: int, out_dir: st
     files = scan_images(folder)[:limit]
     e = clip_mini.load(model_dir)
     t = time.perf_counter()
-    index = sync_index(out_dir, e, files, workers=workers, progress=False)
+    index = sync_index(out_dir, e, files, workers=workers, precision=precision, progress=False)
     secs = time.perf_counter() - t
     t = time.perf_counter()
-    sync_index(out_dir, e, files, workers=workers, progress=False)   # nothing changed: stat only
+    sync_index(out_dir, e, files, workers=workers, precision=precision, progress=False)   # unchanged: stat only
     noop = time.perf_counter() - t
-    return {"images": len(index), "workers": workers, "seconds": round(secs, 2),
+    return {"images": len(index), "workers": workers, "precision": precision, "seconds": round(secs, 2),
             "images_per_s": round(len(index) / secs, 1), "unchanged_rerun_s": round(noop, 3),
             "peak_rss_mb": _peak_rss_mb()}
 
@@ -96,10 +106,21 @@ class _StubEmbedder:
         self.transform = build_eval_transform(PreprocessConfig(image_size=16))
         gen = torch.Generator().manual_seed(0)
 
+        class _Tower(torch.nn.Module):   # what indexing runs (model.ImageForward): a tower, then the head
+            cfg = type("cfg", (), {"backbone": "stub"})
+
+            def __init__(self):
+                super().__init__()
+                self.unused = torch.nn.Parameter(torch.zeros(1))   # gives the tower a dtype
+
+            def forward(self, pixels):
+                return torch.randn(len(pixels), dim, generator=gen)
+
         class _Model:
-            def encode_image(self, pixels):
-                x = torch.randn(len(pixels), dim, generator=gen)
-                return x / x.norm(dim=1, keepdim=True)
+            visual = _Tower()
+
+            def project_image(self, features):
+                return features / features.norm(dim=1, keepdim=True)
 
         self.model = _Model()
 
@@ -141,28 +162,42 @@ def main(argv=None) -> dict:
     p.add_argument("--images", default=str(FLICKR))
     p.add_argument("--limit", type=int, default=2000)
     p.add_argument("--stub-files", type=int, default=100_000)
+    p.add_argument("--configs", nargs="+", default=["configs/tiny.yaml", "configs/flickr8k.yaml"],
+                   help="model architectures to index with (untrained)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/index.json"))
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         kind, *rest = args.child
-        fn = {"forward": lambda: run_forward(rest[0], 64, 10),
-              "index": lambda: run_index(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4]),
+        fn = {"forward": lambda: run_forward(rest[0], 64, int(rest[1])),
+              "index": lambda: run_index(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4], rest[5]),
               "stub": lambda: run_stub(int(rest[0]), rest[1])}[kind]
         print(json.dumps(fn()))
         return {}
     with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:
-        model_dir = Path(tmp) / "model"
-        make_model(model_dir)
         if Path(args.images).is_dir():
             folder, recorded = args.images, relative_to_repo(args.images)
         else:
             folder, recorded = _generated_jpegs(Path(tmp) / "jpegs", args.limit), "generated 160 px JPEGs"
-        result = {"images_folder": recorded, "loadavg_start": os.getloadavg()[0],
-                  "forward": _child("forward", model_dir)}
-        for workers in (0, 1):
-            result[f"index_workers{workers}"] = _child("index", model_dir, folder, args.limit, workers,
-                                                       Path(tmp) / f"index{workers}")
+        result = {"images_folder": recorded, "loadavg_start": os.getloadavg()[0], "models": {}}
+        for config in args.configs:
+            model_dir = Path(tmp) / Path(config).stem
+            make_model(model_dir, config)
+            big = "flickr8k" in config   # ~50-100 images/s: fewer images, fewer timed batches
+            limit = min(args.limit, 500) if big else args.limit
+            forward = _child("forward", model_dir, 4 if big else 10)
+            runs = {}
+            for precision in ("fp32", "bf16"):
+                for workers in (0, 1):
+                    r = _child("index", model_dir, folder, limit, workers, precision,
+                               Path(tmp) / f"index-{model_dir.name}-{precision}-{workers}")
+                    r["vs_forward"] = round(r["images_per_s"] / forward["images_per_s"][precision], 3)
+                    runs[f"{precision}_workers{workers}"] = r
+            best = max(runs.values(), key=lambda r: r["images_per_s"])
+            result["models"][config] = {"forward": forward, "index": runs, "best": {
+                "run": f"{best['precision']}_workers{best['workers']}", "images_per_s": best["images_per_s"],
+                "vs_forward_same_precision": best["vs_forward"]}}
+            print(json.dumps({config: result["models"][config]}), flush=True)
         if args.stub_files:
             # On tmpfs when there is one: creating and deleting 100k files on a busy disk takes minutes of
             # writeback that has nothing to do with the index.
