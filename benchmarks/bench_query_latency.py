@@ -2,8 +2,8 @@
 
     python benchmarks/bench_query_latency.py [--model runs/quality/d/best] [--rows 10000] [--repeats 7]
 
-The model is the trained flickr8k model (MiniLM-L6 text tower, EfficientNet-Lite0 image tower at 224 px: what a
-user of this project searches with); the index is ``rows`` random unit vectors recorded as built by that model
+The model is the trained flickr8k model (MiniLM-L6 text tower, EfficientNet-Lite0 image tower at the config's
+size: what a user of this project searches with); the index is ``rows`` random unit vectors recorded as built by that model
 (``bench_startup.make_index``: search time does not depend on the rows' values). The ONNX export the first query
 of a model triggers is timed once (``first_use_export_s``); then text and image queries (a Flickr8k photo when the
 data is present) are each run ``repeats`` times in new processes (warm page cache), and whether torch, timm,
