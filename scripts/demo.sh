@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 if [ ! -f data/shapes/images/train_09999.png ]; then   # absent, or an older/smaller generation
   "$BIN/python" -m clip_mini.data.synthetic --out data/shapes --n 10000 --seed 0
 fi
-"$BIN/clip-mini" train --config configs/tiny.yaml --set train.out_dir=runs/tiny
+# --resume auto: a second `make demo` reuses the finished run (and an interrupted one continues) instead of refusing
+# to start over on top of its checkpoints; `make clean` removes it to train afresh.
+"$BIN/clip-mini" train --config configs/tiny.yaml --set train.out_dir=runs/tiny --resume auto
 "$BIN/clip-mini" eval --model runs/tiny/best --data configs/tiny.yaml --split val
 # Held-out and harder: compositional_test.csv, images whose first object is a colour-shape pair no training caption
 # names (e.g. a red star). The whole file is scored as one split: with val and test sizes 0 every image lands in
