@@ -421,15 +421,23 @@ def test_ten_thousand_word_caption_is_truncated(base, tmp_path, capsys):
 # -- no network ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def no_network(monkeypatch):
-    """Every outgoing connection (and name lookup) fails in this process; records the attempts."""
+    """Every outgoing network connection (and name lookup) fails in this process; records the attempts. Local
+    Unix sockets still connect: DataLoader workers hand their batches over them (configs/tiny.yaml uses one)."""
     attempts = []
 
     def refuse(*args, **kwargs):
         attempts.append(args[1:] or args)
         raise OSError(errno.ENETUNREACH, "network disabled by test")
 
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    def local_only(original):
+        def connect(sock, address, *args, **kwargs):
+            if sock.family == socket.AF_UNIX:
+                return original(sock, address, *args, **kwargs)
+            return refuse(sock, address)
+        return connect
+
+    monkeypatch.setattr(socket.socket, "connect", local_only(socket.socket.connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", local_only(socket.socket.connect_ex))
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     return attempts
