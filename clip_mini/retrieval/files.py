@@ -61,4 +61,3 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
                 feats = forward(pixels[ok]).cpu().numpy()
             bar.update(len(idx))
             yield idx[ok].numpy(), feats, bad
-

@@ -36,24 +36,33 @@ FAISS_THRESHOLD = 500_000
 # 0.4 GB at 10M), its approximate scores re-ranked exactly from the memory-mapped float16 rows.
 # Figures: benchmarks/results/index_10m.json (benchmarks/bench_index_10m.py).
 IVFPQ_THRESHOLD = 2_000_000
-IVFPQ_MIN_ROWS = 10_000
+IVFPQ_MIN_ROWS = 10_000   # PQ's 256 centroids per sub-vector need ~39 training rows each
 HNSW_M = 32   # graph neighbours per row (two levels' worth of int32 links, ~2 * M * 4 bytes a row)
+# IVF-PQ candidates per wanted result, re-scored exactly: 10 gave recall@10 0.92 at 300k clustered rows but 0.68
+# at 1M (near neighbours' scores crowd together as an index grows, finer than 8-bit PQ codes resolve); 50 costs
+# ~1 ms more a query (500 rows read from the memory map) and holds recall (benchmarks/results/index_10m.json)
+RERANK = 50
+
+
+def ivf_lists(n: int) -> int:
+    """Inverted lists of an IVF-Flat index over ``n`` rows: ~4 sqrt(N), at least 39 rows each for k-means."""
+    return max(1, min(int(4 * math.sqrt(n)), n // 39 or 1))
+
+
+def ivfpq_lists(n: int) -> int:
+    return max(1, min(int(math.sqrt(n)), 4096))
 
 
 def faiss_memory(kind: str, n: int, dim: int) -> int:
     """Bytes a faiss index of ``n`` rows of width ``dim`` holds in RAM when searched (the estimate ``--faiss auto``
     checks against its memory budget; ``benchmarks/results/index_10m.json`` measures the real ones)."""
     if kind == "hnsw":
-        return n * (4 * dim + 2 * HNSW_M * 4 + 8)        # float32 rows + links + level/offset bookkeeping
+        return n * (4 * dim + 2 * HNSW_M * 4 + 8)                # float32 rows + links + level/offset bookkeeping
     if kind == "ivf":
-        return n * (4 * dim + 8) + int(4 * math.sqrt(n)) * dim * 4   # float32 rows + ids + centroids
+        return n * (4 * dim + 8) + ivf_lists(n) * dim * 4         # float32 rows + ids + centroids
     if kind == "ivfpq":
-        return n * (dim // 8 + 8) + min(int(math.sqrt(n)), 4096) * dim * 4 + 256 * dim * 4   # codes, ids, tables
-    raise ValueError(f"unknown faiss index kind {kind!r}")   # PQ's 256 centroids per sub-vector need ~39 training rows each
-# IVF-PQ candidates per wanted result, re-scored exactly: 10 gave recall@10 0.92 at 300k clustered rows but 0.68
-# at 1M (near neighbours' scores crowd together as an index grows, finer than 8-bit PQ codes resolve); 50 costs
-# ~1 ms more a query (500 rows read from the memory map) and holds recall (benchmarks/results/index_10m.json)
-RERANK = 50
+        return n * (dim // 8 + 8) + (ivfpq_lists(n) + 256) * dim * 4   # codes + ids, centroids + PQ tables
+    raise ValueError(f"unknown faiss index kind {kind!r}")
 
 
 def _check_queries(queries: np.ndarray, dim: int, k: int) -> np.ndarray:
@@ -225,7 +234,7 @@ def build_faiss(embeddings: np.ndarray, kind: FaissKind = "hnsw", seed: int = 0,
         index.hnsw.efConstruction = 80
         index.hnsw.efSearch = 64
     elif kind == "ivf":
-        nlist = nlist or max(1, min(int(4 * math.sqrt(n)), n // 39 or 1))
+        nlist = nlist or ivf_lists(n)
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
         rng = np.random.default_rng(seed)
         sample = np.sort(rng.choice(n, size=min(n, nlist * 64), replace=False))
@@ -253,7 +262,7 @@ def _ivfpq(faiss, embeddings: np.ndarray, seed: int):
         raise ValueError(f"an IVF-PQ index needs at least {IVFPQ_MIN_ROWS} rows, this one has {n}: use hnsw or ivf")
     if dim % 8:
         raise ValueError(f"IVF-PQ splits rows into d/8 sub-vectors: d={dim} is not a multiple of 8")
-    nlist = max(1, min(int(math.sqrt(n)), 4096))
+    nlist = ivfpq_lists(n)
     index = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, nlist, dim // 8, 8, faiss.METRIC_INNER_PRODUCT)
     rng = np.random.default_rng(seed)
     sample = np.sort(rng.choice(n, size=min(n, max(nlist * 39, 256 * 39)), replace=False))

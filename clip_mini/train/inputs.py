@@ -126,8 +126,7 @@ def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tok
         steps = cfg.data.samples // (world_size * t.batch_size * t.accum_freq)
         return WdsTrainInputs(split_shards(cfg.data)[0], augment, CaptionCollate(tokenizer, max_length),
                               t.batch_size, t.accum_freq, loader_workers(cfg.data.workers), steps, t.seed, rank,
-                              world_size,
-                              cfg.data.shuffle_buffer)
+                              world_size, cfg.data.shuffle_buffer)
     dataset = EpochDataset(CaptionDataset(df, augment, cache=cache), augment, cfg.train.seed)
     sampler = OneCaptionPerImageSampler(df["image_id"].tolist(), seed=cfg.train.seed, rank=rank,
                                         world_size=world_size)
