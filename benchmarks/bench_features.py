@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +170,7 @@ def main(argv=None) -> dict:
 
     cfg = load_config(args.config, [f"data.captions={args.captions}"] if args.captions else [])
     splits = load_splits(cfg, progress=False)
-    df = pd_concat([splits["train"], splits["val"]])    # the test split is never read
+    df = pd.concat([splits["train"], splits["val"]], ignore_index=True)    # the test split is never read
     paths = list(dict.fromkeys(df["path"]))
     index = {p: i for i, p in enumerate(paths)}
     txt_img = df["path"].map(index).to_numpy()
@@ -200,12 +201,6 @@ def main(argv=None) -> dict:
     atomic_write_text(args.out, json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v["val_mean_over_seeds"] for k, v in results.items()}, indent=1))
     return out
-
-
-def pd_concat(frames):
-    import pandas as pd
-
-    return pd.concat(frames, ignore_index=True)
 
 
 if __name__ == "__main__":
