@@ -4,7 +4,8 @@ The ViT is timm's ``VisionTransformer`` with ``global_pool='token'`` and ``num_c
 CLS token, learned positional embedding, pre-norm blocks, final LayerNorm; its output is the CLS state (B, D).
 ``dynamic_img_size=True`` lets it run at other input sizes: timm resamples the patch part of the positional
 embedding and keeps the CLS position. ``pooling: cls_mean`` returns [CLS ; mean of the patch tokens] (B, 2D)
-instead, DINOv2's linear-probe features.
+instead, DINOv2's linear-probe features. ``concat`` adds a second, locked tower (DINOv2 ViT-S/14) whose CLS state is
+appended to the first tower's features: it reads the same pixels, resized and re-normalised inside the forward.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from clip_mini.config import PreprocessConfig, VisionConfig
 from clip_mini.errors import ClipMiniError
@@ -80,8 +82,28 @@ class ImageEncoder(nn.Module):
         elif cfg.pretrained == DINOV2_IMGFOCUS:
             mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)   # DINOv2 trained on ImageNet statistics
         self.preprocess = PreprocessConfig(image_size=cfg.image_size, mean=mean, std=std)
+        self.concat = None
+        if cfg.concat:
+            self.concat = ImageEncoder(concat_config(cfg))
+            self.width += self.concat.width
+            # "undo this tower's normalisation, apply the second's" folded into one per-channel affine map
+            m1, s1 = torch.tensor(mean), torch.tensor(std)
+            m2, s2 = torch.tensor(self.concat.preprocess.mean), torch.tensor(self.concat.preprocess.std)
+            self.register_buffer("concat_scale", (s1 / s2).view(1, 3, 1, 1), persistent=False)
+            self.register_buffer("concat_shift", ((m1 - m2) / s2).view(1, 3, 1, 1), persistent=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        features = self._forward_own(pixels)
+        if self.concat is None:
+            return features
+        size = self.concat.cfg.image_size
+        # antialias off: it has no ONNX export, and the eval transform already low-passed these pixels to this
+        # tower's size (the second one is smaller, so at most a ~1.3x downscale aliases a little)
+        small = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False)
+        other = self.concat(small * self.concat_scale + self.concat_shift)
+        return torch.cat([features, other.to(features.dtype)], dim=-1)   # (B, width)
+
+    def _forward_own(self, pixels: torch.Tensor) -> torch.Tensor:
         self._pick_attention(pixels)
         if self.cfg.pooling == "cls_mean":
             tokens = self.trunk.forward_features(pixels)                  # (B, prefix + N, D), final-normed
@@ -176,6 +198,8 @@ class ImageEncoder(nn.Module):
                                + [f"unexpected {k}" for k in unexpected[:3]])
             raise WeightsError(f"weights in {path} do not fit model.vision ({self.cfg.backbone}): {detail}")
         self.trunk.load_state_dict(state, strict=False)  # strictness checked above, bar BN step counters
+        if self.concat is not None:
+            self.concat.load_pretrained(self.cfg.concat)
 
     def _fit_pos_embed(self, pos: torch.Tensor) -> torch.Tensor:
         from timm.layers import resample_abs_pos_embed
@@ -221,6 +245,14 @@ class ImageEncoder(nn.Module):
         maps, grid = self.attention_maps(pixels)
         out = torch.stack([m[:, :, 0, self.trunk.num_prefix_tokens:] for m in maps], 1)  # (B, depth, nh, N_patches)
         return out.reshape(*out.shape[:3], *grid)
+
+
+def concat_config(cfg: VisionConfig) -> VisionConfig:
+    """The second tower of ``cfg.concat``: DINOv2 ViT-S/14 geometry, locked, pooled at its CLS token."""
+    if cfg.concat != DINOV2_IMGFOCUS:
+        raise WeightsError(f"model.vision.concat must be {DINOV2_IMGFOCUS}, got {cfg.concat!r}")
+    return VisionConfig(backbone="vit", image_size=cfg.concat_size, patch_size=14, width=384, depth=12, heads=6,
+                        init_values=1e-5, pretrained=DINOV2_IMGFOCUS, trainable=False)
 
 
 def inference_tower(encoder: ImageEncoder, precision: str) -> ImageEncoder:
