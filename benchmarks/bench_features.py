@@ -41,7 +41,12 @@ TOWERS = {   # name -> VisionConfig overrides (the ViTs return [CLS ; patch mean
 
 
 def feature(name: str, feats: dict[str, np.ndarray]) -> np.ndarray:
-    """An arm's image features: towers joined by '+'; dino*_cls / _mean / _cls_mean slice the [CLS ; mean] output."""
+    """An arm's image features: towers joined by '+'; dino*_cls / _mean / _cls_mean slice the [CLS ; mean] output.
+
+    A ``raw:`` prefix concatenates the towers' features as they come (what ``model.vision.concat`` does); without
+    it each tower's features are first scaled to unit mean norm."""
+    raw = name.startswith("raw:")
+    name = name.removeprefix("raw:")
     parts = []
     for part in name.split("+"):
         if part.startswith("dino"):
@@ -51,6 +56,8 @@ def feature(name: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         else:
             parts.append(feats[part])
     # each tower's features scaled to unit mean norm, so no tower dominates the joint input by its scale alone
+    if raw:
+        return np.concatenate(parts, axis=1)
     return np.concatenate([p / np.linalg.norm(p, axis=1).mean() for p in parts], axis=1)
 
 
@@ -105,20 +112,29 @@ def text_features(captions: list[str], cache: Path) -> np.ndarray:
 
 
 def probe(img: np.ndarray, txt: np.ndarray, txt_img: np.ndarray, train_imgs: np.ndarray, val_imgs: np.ndarray,
-          epochs: int, seed: int) -> dict:
-    """Train two MLP heads on stored features; val retrieval after each epoch; the best epoch by rsum."""
+          epochs: int, seed: int, loss_name: str = "clip") -> dict:
+    """Train two MLP heads on stored features; val retrieval after each epoch; the best epoch by rsum.
+
+    ``loss_name``: "clip" (the trainer's), "ls<eps>" (clip with label smoothing eps) or "siglip" (sigmoid loss,
+    temperature 10 and bias -10 at the start, as SigLIP initialises them).
+    """
     from clip_mini.evaluate import retrieval_metrics
-    from clip_mini.loss import clip_loss
+    from clip_mini.loss import clip_loss, siglip_loss
     from clip_mini.model import ProjectionHead
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     img_t, txt_t = torch.from_numpy(img).float(), torch.from_numpy(txt).float()
     ih, th = ProjectionHead(img.shape[1], 256), ProjectionHead(txt.shape[1], 256)
-    scale = torch.nn.Parameter(torch.tensor(float(np.log(1 / 0.07))))
+    siglip = loss_name == "siglip"
+    smoothing = float(loss_name[2:]) if loss_name.startswith("ls") else 0.0
+    if not siglip and not smoothing and loss_name != "clip":
+        raise SystemExit(f"error: unknown loss {loss_name!r} (clip, ls<eps>, siglip)")
+    scale = torch.nn.Parameter(torch.tensor(float(np.log(10.0 if siglip else 1 / 0.07))))
+    bias = torch.nn.Parameter(torch.tensor(-10.0))
     params = list(ih.parameters()) + list(th.parameters())
-    opt = torch.optim.AdamW([{"params": params, "weight_decay": 0.1}, {"params": [scale], "weight_decay": 0.0}],
-                            lr=1e-3)
+    opt = torch.optim.AdamW([{"params": params, "weight_decay": 0.1},
+                             {"params": [scale] + ([bias] if siglip else []), "weight_decay": 0.0}], lr=1e-3)
     caps_of = {int(i): np.flatnonzero(txt_img == i) for i in np.concatenate([train_imgs, val_imgs])}
     val_caps = np.concatenate([caps_of[int(i)] for i in val_imgs])
     val_local = {int(i): j for j, i in enumerate(val_imgs)}
@@ -134,7 +150,10 @@ def probe(img: np.ndarray, txt: np.ndarray, txt_img: np.ndarray, train_imgs: np.
             caps = np.array([rng.choice(caps_of[int(i)]) for i in ims])
             fi = torch.nn.functional.normalize(ih(img_t[ims]), dim=-1)
             ft = torch.nn.functional.normalize(th(txt_t[caps]), dim=-1)
-            loss = clip_loss(fi, ft, scale.clamp(max=4.6052).exp())
+            if siglip:
+                loss = siglip_loss(fi, ft, scale.clamp(max=4.6052).exp(), bias)
+            else:
+                loss = clip_loss(fi, ft, scale.clamp(max=4.6052).exp(), label_smoothing=smoothing)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -179,13 +198,16 @@ def main(argv=None) -> dict:
     cache = Path(args.cache) / f"{len(paths)}-{cfg.data.seed}-{cfg.data.val}-{cfg.data.test}"
     cache.mkdir(parents=True, exist_ok=True)
 
-    towers = sorted({part.partition("_")[0] for arm in args.arms for part in arm.split("+")})
+    # an arm is features[@loss]: e.g. effnet288+dino224_cls@siglip (see probe for the losses)
+    towers = sorted({part.partition("_")[0] for arm in args.arms
+                     for part in arm.partition("@")[0].removeprefix("raw:").split("+")})
     feats = {t: tower_features(t, paths, cache, args.threads) for t in towers}
     txt = text_features(df["caption"].tolist(), cache)
     results = {}
     for arm in args.arms:
-        x = feature(arm, feats)
-        runs = [probe(x, txt, txt_img, train_imgs, val_imgs, args.epochs, seed) for seed in range(args.seeds)]
+        x = feature(arm.partition("@")[0], feats)
+        runs = [probe(x, txt, txt_img, train_imgs, val_imgs, args.epochs, seed, arm.partition("@")[2] or "clip")
+                for seed in range(args.seeds)]
         best = {k: round(float(np.mean([r["best"][k] for r in runs])), 4)
                 for k in ("t2i_r1", "t2i_r5", "t2i_r10", "i2t_r1", "i2t_r5", "i2t_r10", "rsum")}
         results[arm] = {"input_dim": x.shape[1], "val_mean_over_seeds": best, "runs": runs}

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 
 def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
-              image_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+              image_ids: Optional[torch.Tensor] = None, label_smoothing: float = 0.0) -> torch.Tensor:
     """Mean of image→text and text→image cross-entropy over the scaled cosine-similarity matrix.
 
     Args:
@@ -23,6 +23,7 @@ def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_s
         text_features: (B, E) L2-normalised.
         logit_scale: scalar, already exponentiated (the multiplier, e.g. 1/0.07).
         image_ids: (B,) image of each pair; other pairs with the same image are masked out as negatives.
+        label_smoothing: share of each target spread over the row (``F.cross_entropy``'s; masked entries get none).
     """
     logits_per_image = logit_scale * image_features @ text_features.T  # (B, B)
     if image_ids is not None:
@@ -31,7 +32,35 @@ def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_s
         # -inf drops the entry from the softmax; the diagonal (the target) is always kept.
         logits_per_image = logits_per_image.masked_fill(same, float("-inf"))
     labels = torch.arange(logits_per_image.shape[0], device=logits_per_image.device)
+    if label_smoothing:
+        # F.cross_entropy would spread mass onto the -inf entries too (an infinite loss): smooth by hand
+        logp_i, logp_t = logits_per_image.log_softmax(1), logits_per_image.T.log_softmax(1)
+        return 0.5 * (_smoothed_nll(logp_i, label_smoothing) + _smoothed_nll(logp_t, label_smoothing))
     return 0.5 * (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_image.T, labels))
+
+
+def _smoothed_nll(logp: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cross-entropy against (1 - eps) on the diagonal plus eps spread evenly over each row's finite entries."""
+    finite = torch.isfinite(logp)
+    uniform = torch.where(finite, logp, torch.zeros_like(logp)).sum(1) / finite.sum(1)   # mean log-prob per row
+    return -((1 - eps) * logp.diagonal() + eps * uniform).mean()
+
+
+def siglip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                logit_bias: torch.Tensor, image_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SigLIP's pairwise sigmoid loss (Zhai et al. 2023): every (image, caption) pair is a binary problem.
+
+    Positives are the diagonal and, with ``image_ids``, every other caption of the same image. Summed over the
+    B x B pairs and divided by B, as in the paper; start with ``logit_scale = 10`` and ``logit_bias = -10`` so the
+    many negatives do not dominate the first steps.
+    """
+    logits = logit_scale * image_features @ text_features.T + logit_bias   # (B, B)
+    if image_ids is None:
+        positive = torch.eye(len(logits), dtype=torch.bool, device=logits.device)
+    else:
+        positive = image_ids[:, None] == image_ids[None, :]
+    signs = positive.to(logits.dtype) * 2 - 1
+    return -F.logsigmoid(signs * logits).sum() / len(logits)
 
 
 def gather_features(image_features: torch.Tensor, text_features: torch.Tensor,

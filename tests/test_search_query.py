@@ -203,3 +203,29 @@ def test_bad_queries_rejected(exported):
     for bad in ([], [b"not an image"], [np.zeros((4, 4, 5), np.uint8)]):
         with pytest.raises(QueryEncoderError):
             image.encode_image(bad)
+
+
+def test_unchanged_onnx_is_hashed_once_and_an_edit_is_still_caught(exported, tmp_path, monkeypatch):
+    import os
+    import time
+
+    from clip_mini.retrieval import onnx_export
+
+    monkeypatch.setenv("CLIP_MINI_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = _copy(exported, tmp_path / "m")
+    hashed = []
+    real = onnx_export.sha256_file
+    monkeypatch.setattr(onnx_export, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    TextQueryEncoder.load(model_dir)
+    TextQueryEncoder.load(model_dir)
+    assert hashed == ["text.onnx"]   # the second load trusted the stamp of the unchanged file
+    onnx = model_dir / ONNX_DIR / "text.onnx"
+    st = onnx.stat()
+    data = bytearray(onnx.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    time.sleep(0.01)
+    onnx.write_bytes(bytes(data))                               # same size,
+    os.utime(onnx, ns=(st.st_atime_ns, st.st_mtime_ns))         # mtime set back: only the ctime tells
+    with pytest.raises(OnnxError, match=r"text\.onnx is corrupt"):
+        TextQueryEncoder.load(model_dir)
+    assert hashed == ["text.onnx", "text.onnx"]

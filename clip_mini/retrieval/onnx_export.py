@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from clip_mini.io import atomic_dir, sha256_file
+from clip_mini.io import atomic_dir, atomic_write_json, sha256_file
 from clip_mini.manifest import ModelDirError, read_manifest
 
 ONNX_DIR = "onnx"
@@ -63,10 +63,35 @@ def verify_onnx(folder: Path, fingerprint: str, towers: tuple[str, ...] = ("text
         path = folder / TOWERS[tower]
         if not path.is_file():
             raise OnnxError(f"{path} not found")
-        if sha256_file(path) != files.get(TOWERS[tower]):
+        if _known_sha256(path) != files.get(TOWERS[tower]):
             raise OnnxError(f"{path} is corrupt: its sha256 does not match {INDEX}")
         out[tower] = path
     return out
+
+
+def _known_sha256(path: Path) -> str:
+    """``sha256_file(path)``, remembered in the user cache against the file's identity (device, inode, size,
+    mtime and ctime in ns), so an unchanged file is hashed once, not on every query (hashing the 91 MB MiniLM
+    text.onnx was ~75 ms of a cold text search). Any write to the file changes its ctime, which user code cannot
+    set back, so a changed file is always hashed again; a stamp that cannot be read or written is ignored."""
+    import hashlib
+
+    st = path.stat()
+    identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    stamp = cache_root() / "sha256" / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".json")
+    try:
+        known = json.loads(stamp.read_text(encoding="utf-8"))
+        if known["identity"] == identity and isinstance(known["sha256"], str):
+            return known["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = sha256_file(path)
+    if path.stat().st_ctime_ns == st.st_ctime_ns:   # not written to while it was being hashed
+        try:
+            atomic_write_json(stamp, {"path": str(path.resolve()), "identity": identity, "sha256": digest})
+        except OSError:
+            pass
+    return digest
 
 
 def ensure_onnx(model_dir: str | Path, tower: str, repair: bool = False) -> Path:
