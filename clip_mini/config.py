@@ -153,6 +153,9 @@ class TrainConfig:
     # > 0 with a locked image tower: precompute its outputs for this many views per image (view 0 the eval
     # transform, the rest augmented) instead of running it every step; see clip_mini/train/frozen.py
     frozen_features: int = 0
+    # share of each contrastive target spread over the batch (0: none); measured on the val split in
+    # benchmarks/results/features_loss.json
+    label_smoothing: float = 0.0
 
 
 @dataclass
@@ -180,7 +183,7 @@ _POSITIVE = {
     "train.log_every", "train.keep_checkpoints", "train.max_bad_steps", "train.eval_batch_size",
 }
 _UNIT = {"model.vision.dropout", "model.vision.drop_path", "model.text.dropout", "model.head_dropout",
-         "data.color_jitter"}
+         "data.color_jitter", "train.label_smoothing"}
 
 
 def _check_ranges(cfg: Config) -> None:

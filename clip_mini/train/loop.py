@@ -92,7 +92,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     if info.distributed:
         features = torch.nn.parallel.DistributedDataParallel(
             features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    loss_fn = ClipLoss()
+    loss_fn = ClipLoss(t.label_smoothing)
     truncated = report_truncation(model.tokenizer, splits["train"]["caption"].astype(str).tolist(),
                                   model.cfg.text.max_length, "train")   # one line if any caption is cut
     cache = make_image_cache(cfg, model.preprocess, splits)
