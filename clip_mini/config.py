@@ -85,6 +85,8 @@ class ModelConfig:
     head_dropout: float = 0.1
     init_logit_scale: float = math.log(1 / 0.07)
     max_logit_scale: float = math.log(100.0)
+    # a learnable logit bias (SigLIP's; train.loss: siglip needs it): start at -10 with init_logit_scale log(10)
+    init_logit_bias: Optional[float] = None
 
 
 @dataclass
@@ -156,6 +158,8 @@ class TrainConfig:
     # share of each contrastive target spread over the batch (0: none); measured on the val split in
     # benchmarks/results/features_loss.json
     label_smoothing: float = 0.0
+    # "clip": softmax contrastive loss; "siglip": SigLIP's pairwise sigmoid loss (needs model.init_logit_bias)
+    loss: Literal["clip", "siglip"] = "clip"
 
 
 @dataclass
@@ -240,6 +244,12 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"model.text.max_length must be >= 3 ([CLS] word [SEP]), got {t.max_length}")
     if not 0 < cfg.model.init_logit_scale <= cfg.model.max_logit_scale:
         raise ConfigError("model.init_logit_scale must be in (0, model.max_logit_scale]")
+    if cfg.train.loss == "siglip":
+        if cfg.model.init_logit_bias is None:
+            raise ConfigError("train.loss=siglip needs model.init_logit_bias (SigLIP starts at -10, with "
+                              "model.init_logit_scale: 2.302585, i.e. log 10)")
+        if cfg.train.label_smoothing:
+            raise ConfigError("train.label_smoothing applies to train.loss=clip, not siglip")
     for name in ("lr_image", "lr_text", "lr_head"):
         val = getattr(cfg.train, name)
         if val is not None and val < 0:

@@ -83,6 +83,15 @@ def gather_features(image_features: torch.Tensor, text_features: torch.Tensor,
     return image_features, text_features, image_ids
 
 
+class SigLipLoss(nn.Module):
+    """``siglip_loss`` over the global batch; ``logit_params`` is ``[scale, bias]`` (``CLIPModel.logit_params``)."""
+
+    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_params: torch.Tensor,
+                image_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        image_features, text_features, image_ids = gather_features(image_features, text_features, image_ids)
+        return siglip_loss(image_features, text_features, logit_params[0], logit_params[1], image_ids)
+
+
 class ClipLoss(nn.Module):
     """``clip_loss`` over the global batch when running distributed (each rank holds the full matrix)."""
 

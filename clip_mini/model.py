@@ -64,6 +64,8 @@ class CLIPModel(nn.Module):
         self.image_head = ProjectionHead(self.visual.width, cfg.embed_dim, cfg.head, cfg.head_dropout)
         self.text_head = ProjectionHead(self.text.width, cfg.embed_dim, cfg.head, cfg.head_dropout)
         self.logit_scale = nn.Parameter(torch.tensor(float(cfg.init_logit_scale)))
+        self.logit_bias = (None if cfg.init_logit_bias is None   # SigLIP's (train.loss: siglip)
+                           else nn.Parameter(torch.tensor(float(cfg.init_logit_bias))))
         self.preprocess = self.visual.preprocess
         apply_trainable(self)
 
@@ -91,6 +93,12 @@ class CLIPModel(nn.Module):
     def scale(self) -> torch.Tensor:
         """exp(logit_scale), clamped in the forward pass too so a stray step can never exceed the cap."""
         return self.logit_scale.clamp(max=self.cfg.max_logit_scale).exp()
+
+    def logit_params(self) -> torch.Tensor:
+        """What the loss takes besides the features: ``scale()``, or ``[scale(), logit_bias]`` with a bias."""
+        if self.logit_bias is None:
+            return self.scale()
+        return torch.stack([self.scale(), self.logit_bias])
 
     @torch.no_grad()
     def clamp_logit_scale(self) -> None:

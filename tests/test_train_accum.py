@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from clip_mini.config import load_config
-from clip_mini.loss import ClipLoss
+from clip_mini.loss import ClipLoss, SigLipLoss
 from clip_mini.model import CLIPModel
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.optim import build_optimizer
@@ -48,10 +48,21 @@ def _grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _run(model, batches, precision="fp32"):
+def _run(model, batches, precision="fp32", loss_fn=None):
     model.zero_grad(set_to_none=True)
-    loss = forward_backward(FeatureModel(model), batches, ClipLoss(), torch.device("cpu"), precision)
+    loss = forward_backward(FeatureModel(model), batches, loss_fn or ClipLoss(), torch.device("cpu"), precision)
     return loss, _grads(model)
+
+
+def test_siglip_accumulation_counts_the_bias_and_scale_gradients_once():
+    model, _ = _model(overrides=["model.init_logit_bias=-10", "model.init_logit_scale=2.302585"])
+    batch = _batch(16)
+    loss_big, grads_big = _run(model, [batch], loss_fn=SigLipLoss())
+    loss_acc, grads_acc = _run(model, _split(batch, 2), loss_fn=SigLipLoss())
+    assert torch.allclose(loss_big, loss_acc, atol=1e-6)
+    assert {"logit_scale", "logit_bias"} <= grads_big.keys() and grads_big.keys() == grads_acc.keys()
+    for name in grads_big:
+        assert torch.allclose(grads_big[name], grads_acc[name], atol=1e-6, rtol=1e-5), name
 
 
 def test_accumulated_micro_batches_equal_one_big_batch():

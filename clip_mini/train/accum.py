@@ -46,7 +46,7 @@ class FeatureModel(nn.Module):
         image_features = (self.clip.encode_image(pixels) if tower_features is None
                           else self.clip.project_image(tower_features))          # (B, E)
         text_features = self.clip.encode_text(input_ids, attention_mask)      # (B, E)
-        return image_features, text_features, self.clip.scale()
+        return image_features, text_features, self.clip.logit_params()
 
 
 def _rng_get(device: torch.device):
@@ -112,7 +112,7 @@ def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callab
         with sync:
             image_features, text_features, scale = _features(model, b, device, precision)
             if j < last:
-                scale = scale.detach()   # logit_scale's gradient is taken once, in the last pass
+                scale = scale.detach()   # logit_scale's (and logit_bias's) gradient is taken once, in the last pass
             all_image = torch.cat(cached_image[:j] + [image_features] + cached_image[j + 1:])   # (k*B, E)
             all_text = torch.cat(cached_text[:j] + [text_features] + cached_text[j + 1:])       # (k*B, E)
             loss = loss_fn(all_image, all_text, scale, image_ids)

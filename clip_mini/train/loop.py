@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from clip_mini.config import Config, save_config
 from clip_mini.devices import loader_workers
-from clip_mini.loss import ClipLoss
+from clip_mini.loss import ClipLoss, SigLipLoss
 from clip_mini.text import report_truncation
 from clip_mini.train import checkpoint as ckpt_io
 from clip_mini.train.accum import FeatureModel, forward_backward
@@ -92,7 +92,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     if info.distributed:
         features = torch.nn.parallel.DistributedDataParallel(
             features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    loss_fn = ClipLoss(t.label_smoothing)
+    loss_fn = SigLipLoss() if t.loss == "siglip" else ClipLoss(t.label_smoothing)
     truncated = report_truncation(model.tokenizer, splits["train"]["caption"].astype(str).tolist(),
                                   model.cfg.text.max_length, "train")   # one line if any caption is cut
     cache = make_image_cache(cfg, model.preprocess, splits)
