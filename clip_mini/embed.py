@@ -53,7 +53,8 @@ class Embedder:
 
     def __repr__(self) -> str:
         v, t, p = self.model.cfg.vision, self.model.cfg.text, self.model.preprocess
-        return (f"Embedder({self.model_dir!r}, dim={self.dim}, image={v.backbone} {p.image_size}px, "
+        image = f"{v.backbone} {p.image_size}px" + (f" + {v.concat} {v.concat_size}px" if v.concat else "")
+        return (f"Embedder({self.model_dir!r}, dim={self.dim}, image={image}, "
                 f"text={t.pooling}-pooled {t.max_length} tokens, device={str(self.device)!r}, "
                 f"precision={self.precision!r}, batch_size={self.batch_size}, model={self.fingerprint})")
 
