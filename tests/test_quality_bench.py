@@ -111,6 +111,7 @@ def test_trainer_variant_reports_test_for_best_and_final_within_budget(shapes, t
     # final/ has the trainer's val numbers; a run stopped at the reserve scores its newest checkpoint instead
     assert _has_numbers(r["final"]["val"]) or r["final"]["from_checkpoint"]
     assert r["final"]["step"] >= r["best"]["step"] >= 1
+    assert all(r["machine_fp32_gflops"][k] > 1 for k in ("before", "after"))   # the machine's speed, recorded
 
 
 @pytest.mark.slow
