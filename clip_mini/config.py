@@ -45,7 +45,8 @@ class VisionConfig:
     # A second, locked tower whose pooled features are concatenated to this tower's before the image head (one
     # image head sees both). "dinov2-small-imgfocus": DINOv2 ViT-S/14's CLS state at concat_size px, fed this
     # tower's pixels resized and re-normalised, so one preprocessing pipeline serves both. Measured with
-    # EfficientNet-Lite0 at 288 px on the val split: rsum 3.32 vs 3.20 alone (benchmarks/results/features.json).
+    # EfficientNet-Lite0 at 288 px on the val split: rsum 3.32 vs 3.20 alone (benchmarks/results/features.json), 3.45
+    # with the features joined as they come, as here (features_loss.json); the 30-minute recipe in configs/flickr8k.yaml.
     concat: Optional[str] = None
     concat_size: int = 224
 
