@@ -257,9 +257,12 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 0, got {val!r}")
 
 
+# DINOv2 ViT-S/14 in VisionConfig's terms (model.vision.pretrained or model.vision.concat = dinov2-small-imgfocus)
+DINOV2_GEOMETRY = dict(patch_size=14, width=384, depth=12, heads=6, mlp_ratio=4.0)
+
+
 def _check_dinov2_geometry(v: VisionConfig) -> None:
-    need = dict(patch_size=14, width=384, depth=12, heads=6, mlp_ratio=4.0)
-    for key, value in need.items():
+    for key, value in DINOV2_GEOMETRY.items():
         if getattr(v, key) != value:
             raise ConfigError(f"model.vision.{key} must be {value} for pretrained=dinov2-small-imgfocus "
                               f"(DINOv2 ViT-S/14), got {getattr(v, key)!r}")

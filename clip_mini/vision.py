@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from clip_mini.config import PreprocessConfig, VisionConfig
+from clip_mini.config import DINOV2_GEOMETRY, PreprocessConfig, VisionConfig
 from clip_mini.errors import ClipMiniError
 from clip_mini.kernels import fused_attention
 
@@ -251,8 +251,8 @@ def concat_config(cfg: VisionConfig) -> VisionConfig:
     """The second tower of ``cfg.concat``: DINOv2 ViT-S/14 geometry, locked, pooled at its CLS token."""
     if cfg.concat != DINOV2_IMGFOCUS:
         raise WeightsError(f"model.vision.concat must be {DINOV2_IMGFOCUS}, got {cfg.concat!r}")
-    return VisionConfig(backbone="vit", image_size=cfg.concat_size, patch_size=14, width=384, depth=12, heads=6,
-                        init_values=1e-5, pretrained=DINOV2_IMGFOCUS, trainable=False)
+    return VisionConfig(backbone="vit", image_size=cfg.concat_size, init_values=1e-5, pretrained=DINOV2_IMGFOCUS,
+                        trainable=False, **DINOV2_GEOMETRY)
 
 
 def inference_tower(encoder: ImageEncoder, precision: str) -> ImageEncoder:

@@ -27,7 +27,8 @@ Batch = dict[str, torch.Tensor]
 
 
 class FeatureModel(nn.Module):
-    """Thin wrapper that DDP wraps: ``forward`` returns ``(image_features, text_features, scale)``.
+    """Thin wrapper that DDP wraps: ``forward`` returns ``(image_features, text_features, logit_params)``, the last
+    being ``CLIPModel.logit_params()`` (the temperature, and with ``train.loss: siglip`` the bias too).
 
     DDP only tracks parameters used through its own ``forward``, so the two encoders are reached from here
     rather than by calling ``model.encode_image`` on the unwrapped model.
@@ -74,7 +75,8 @@ def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callab
     Args:
         model: ``FeatureModel`` (optionally wrapped in DDP).
         batches: the step's micro-batches (dicts from ``CaptionCollate``, already on ``device``).
-        loss_fn: ``ClipLoss`` (gathers across ranks) or any ``f(image_features, text_features, scale, ids)``.
+        loss_fn: ``ClipLoss`` or ``SigLipLoss`` (both gather across ranks), or any
+            ``f(image_features, text_features, logit_params, ids)``.
         device: where the batches live (selects the autocast and RNG flavour).
         precision: "fp32", "bf16" or "fp16" (autocast for the towers).
         scaler: fp16's GradScaler: gradients are accumulated scaled (the caller unscales before clipping).
