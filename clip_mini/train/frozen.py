@@ -39,7 +39,7 @@ from clip_mini.config import Config, PreprocessConfig
 from clip_mini.devices import loader_workers
 from clip_mini.train.accum import autocast
 
-FORMAT = 2   # 2: under bf16 the pass runs a bf16-weight copy of the tower (vision.inference_tower)
+FORMAT = 3   # 2: under bf16 the pass runs a bf16-weight copy of the tower (vision.inference_tower); 3: BatchNorm folded
 
 
 def split_paths(df: pd.DataFrame) -> list[str]:
