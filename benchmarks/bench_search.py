@@ -8,7 +8,10 @@ memory-mapped, as ``EmbeddingIndex`` does. Queries are random unit vectors. Repo
 byte); ``exact_search`` with its numpy kernel (what a one-shot CLI query uses) and its torch kernel (approximate
 pass + exact re-scoring), for 1 and 64 queries, with recall@10 of the torch kernel against the numpy float32
 brute force; and the fused options the torch kernel was chosen from (``options``): torch's fp16 matrix-vector
-product, the same over a bfloat16 copy (bf16 storage), and a bf16 matrix product for 64 queries. faiss here uses
+product, the same over a bfloat16 copy (bf16 storage), and a bf16 matrix product for 64 queries;
+``exact_torch_bf16_rows``: ``exact_search`` over the same rows stored as bfloat16 (``index --dtype bfloat16``),
+against its own read floor, with recall@10 against float32 brute force over the rows as stored and against the
+float16 rows' top 10 (what rounding to bf16 moves). faiss here uses
 near-copies of stored rows as queries, which flatters it: ``bench_ann_real.py`` measures approximate search on
 text-like queries. HNSW is skipped above 200k rows (its build alone takes minutes on 2 cores).
 Writes ``benchmarks/results/search.json``. On a shared machine run it with ``OPENBLAS_NUM_THREADS=1``:
@@ -30,6 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from clip_mini.retrieval.rows import BF16Rows, encode  # noqa: E402
 from clip_mini.search import build_faiss, exact_search, faiss_available, faiss_search  # noqa: E402
 
 HNSW_MAX = 200_000
@@ -108,6 +112,22 @@ def bench_size(n: int, dim: int, repeats: int, tmp: Path) -> dict:
     floor = out["read_floor"]["p50_ms"]
     out["exact_torch"]["q1"]["x_read_floor"] = round(out["exact_torch"]["q1"]["p50_ms"] / floor, 2)
     out["exact_numpy"]["q1"]["x_read_floor"] = round(out["exact_numpy"]["q1"]["p50_ms"] / floor, 2)
+    # the same rows stored as bfloat16 (clip-mini index --dtype bfloat16): exact_search over a BF16Rows memory map
+    bpath = tmp / f"emb-{n}-bf16.npy"
+    np.save(bpath, encode(emb, "bfloat16"))
+    bemb = BF16Rows(np.load(bpath, mmap_mode="r"))
+    floor_b = read_floor(bemb.bits, reps)
+    stored_ref = {m: exact_search(bemb, qr[:m], 10, kernel="numpy")[1] for m in (1, 64)}
+    out["exact_torch_bf16_rows"] = {
+        f"q{m}": {**latencies(lambda: exact_search(bemb, qr[:m], 10, kernel="torch"), reps),
+                  # against float32 brute force over the rows as stored (bf16), and over the float16 rows
+                  "recall_at_10": recall_at_10(exact_search(bemb, qr[:m], 10, kernel="torch")[1], stored_ref[m]),
+                  "recall_at_10_vs_float16_rows": recall_at_10(stored_ref[m], ref[m])} for m in (1, 64)}
+    out["exact_torch_bf16_rows"]["read_floor"] = floor_b
+    out["exact_torch_bf16_rows"]["q1"]["x_read_floor"] = round(
+        out["exact_torch_bf16_rows"]["q1"]["p50_ms"] / floor_b["p50_ms"], 2)
+    bpath.unlink()
+    del bemb
     out["options"] = fused_options(emb, qr, reps)
     # faiss with near-copies of stored rows as queries (noise 0.05)
     q = np.asarray(emb[rng.integers(0, n, 64)], np.float32) + 0.05 * rng.standard_normal((64, dim)).astype(np.float32)

@@ -108,6 +108,10 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ix.add_argument("--recall-target", type=float, default=None, metavar="R",
                     help="recall@10 against exact search that the stored faiss index is tuned to (default 0.95; "
                          "measured on text-like proxy queries, see clip_mini/retrieval/faiss_auto.py)")
+    ix.add_argument("--dtype", choices=["float16", "bfloat16"], default=None,
+                    help="how the rows are stored (default: an existing index's, else float16). bfloat16: exact "
+                         "search reads the rows straight into this CPU's bf16 products (~2x faster on large "
+                         "indexes), at 8 significant bits instead of 11 (cosines within ~4e-3 of float32)")
     ix.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                     help="RAM the faiss index may take, for --faiss auto (default: half the memory available): "
                          "HNSW when it fits, else IVF-PQ")

@@ -23,7 +23,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     progress = not args.quiet
     if args.merge is not None:
-        index = merge_indexes(args.out, args.merge or None, faiss=args.faiss, progress=progress)
+        index = merge_indexes(args.out, args.merge or None, faiss=args.faiss, progress=progress, dtype=args.dtype)
         print(f"merged into {index.path}: {len(index)} images")
         return 0
     if args.shards is not None or args.ray is not None:
@@ -47,12 +47,13 @@ def cmd_index(args: argparse.Namespace) -> int:
                        batch_size=args.batch_size, workers=default_workers(args.workers, device),
                        precision=precision, faiss=args.faiss, shard=shard, source=source,
                        model_dir=args.model, progress=progress, recall_target=args.recall_target,
-                       memory_budget=None if args.memory_budget is None else args.memory_budget * 2**30)
+                       memory_budget=None if args.memory_budget is None else args.memory_budget * 2**30,
+                       dtype=args.dtype)
     print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}")
     if world is not None:   # launched by torchrun: wait for every rank, then rank 0 merges the shards
         world.barrier()
         if shard[0] == 0:
-            merged = merge_indexes(args.out, None, faiss=args.faiss, progress=progress)
+            merged = merge_indexes(args.out, None, faiss=args.faiss, progress=progress, dtype=args.dtype)
             print(f"merged {shard[1]} shards into {merged.path}: {len(merged)} images")
         world.barrier()
         world.destroy_process_group()
@@ -81,7 +82,8 @@ def _index_shards(args: argparse.Namespace, progress: bool) -> int:
         embed = ray_embedder(args.model, None if args.ray == "local" else args.ray, args.ray_workers,
                              args.batch_size, precision, progress)
     index = index_shards(args.out, embedder, shards, batch_size=args.batch_size, precision=precision,
-                         faiss=args.faiss, source=args.shards, model_dir=args.model, progress=progress, embed=embed)
+                         faiss=args.faiss, source=args.shards, model_dir=args.model, progress=progress, embed=embed,
+                         dtype=args.dtype)
     print(f"index {index.path}: {len(index)} images from {len(shards)} shards, generation "
           f"{index.manifest['generation']}")
     return 0

@@ -7,8 +7,8 @@
    reuses that embedding, and identical new files are embedded once;
 3. embed what is left in batches, appending chunks of float16 rows to ``.work/`` as they finish, so a build
    killed at any point resumes from its last chunk (chunks are keyed by content hash and model fingerprint);
-4. stream old rows and new chunks into a new ``embeddings-<gen>.npy`` (a memory map: memory stays bounded by
-   one block however large the index), then commit the generation (see ``clip_mini.retrieval.index``).
+4. stream old rows and new chunks into a new ``embeddings-<gen>.npy``, float16 or bfloat16 rows (a memory map:
+   memory stays bounded by one block however large the index), then commit the generation (see ``clip_mini.retrieval.index``).
 
 Rows are sorted by path, so incremental, resumed and sharded builds give the same index as one pass.
 """
@@ -29,6 +29,7 @@ from clip_mini.retrieval.format import (EmbeddingIndexError, commit, current_gen
                                         writer_lock)
 from clip_mini.retrieval.onnx_export import export_if_missing
 from clip_mini.retrieval.reader import IndexReader
+from clip_mini.retrieval.rows import DTYPES, BF16Rows, encode, numpy_dtype, storage_dtype
 
 _BLOCK = 16384   # rows copied per step when writing a generation
 
@@ -112,7 +113,8 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
                prune: bool = True, batch_size: int = 64, workers: int = 0, precision: str = "fp32",
                faiss: str = "auto", shard: Optional[tuple[int, int]] = None, flush_every: int = 1024,
                source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True,
-               recall_target: Optional[float] = None, memory_budget: Optional[float] = None) -> IndexReader:
+               recall_target: Optional[float] = None, memory_budget: Optional[float] = None,
+               dtype: Optional[str] = None) -> IndexReader:
     """Bring the index at ``path`` up to date with ``images``.
 
     Args:
@@ -131,12 +133,16 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         model_dir: the model directory (recorded so ``clip-mini search`` finds the model by default).
         recall_target: recall@10 the faiss search parameter is tuned to (default ``faiss_auto.RECALL_TARGET``).
         memory_budget: bytes the faiss index may take in RAM, for ``faiss="auto"`` (see ``faiss_kind``).
+        dtype: how the rows are stored, "float16" or "bfloat16" (``clip_mini.retrieval.rows``); None keeps an
+            existing index's (float16 for a new one). A change rewrites every row.
 
     Raises:
         EmbeddingIndexError: no images, no usable image, an index built with another model, a busy index.
     """
     if recall_target is not None and not 0 < recall_target <= 1:
         raise EmbeddingIndexError(f"--recall-target must be in (0, 1], got {recall_target}")
+    if dtype is not None and dtype not in DTYPES:
+        raise EmbeddingIndexError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = Path(path) if shard is None else shard_dir(path, shard)
     images = sorted(set(os.path.abspath(p) for p in images))
     if shard is not None:
@@ -164,24 +170,26 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         if progress and skipped:
             print(f"index: skipped {len(skipped)} unusable images (see {path / 'skipped.csv'})")
         kind = faiss_kind(faiss, old, len(rows["path"]), embedder.dim, memory_budget)
-        if old is not None and _unchanged(old, rows, kind):
+        dtype = dtype or (storage_dtype(old.embeddings) if old is not None else "float16")
+        if old is not None and _unchanged(old, rows, kind) and storage_dtype(old.embeddings) == dtype:
             work.remove()
             return old
         meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": list(shard) if shard else None,
                 "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
-        index = _publish(path, old, work, rows, embedder.dim, meta, kind, progress, recall_target)
+        index = _publish(path, old, work, rows, embedder.dim, meta, kind, progress, recall_target, dtype)
         work.remove()
         return index
 
 
 def _publish(path: Path, old: Optional[IndexReader], work: "_Work", rows: dict[str, list], dim: int, meta: dict,
-             kind: Optional[str], progress: bool, recall_target: Optional[float] = None) -> IndexReader:
+             kind: Optional[str], progress: bool, recall_target: Optional[float] = None,
+             dtype: str = "float16") -> IndexReader:
     """Write the next generation from old rows and work chunks, then commit it."""
     sources = [old.embeddings if old is not None else np.zeros((0, dim), np.float16)] + work.chunks
     plan = [(0, r) if s == "old" else (1 + work.rows[h][0], work.rows[h][1])
             for (s, r), h in zip(rows.pop("source"), rows["sha256"])]
     generation = current_generation(path) + 1
-    write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, dim)
+    write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, dim, dtype)
     commit(path, generation, rows, meta, kind, progress, recall_target)
     return IndexReader.load(path, verify=False)
 
@@ -238,19 +246,23 @@ def _embed_missing(embedder, todo: dict[str, str], work: _Work, batch_size: int,
         work.append(hashes, np.concatenate(feats), bad)
 
 
-def write_embeddings(out: Path, sources: list[np.ndarray], plan: list[tuple[int, int]], dim: int) -> None:
-    """Stream rows ``sources[s][r]`` for each ``(s, r)`` in ``plan`` into a new float16 .npy (atomically)."""
+def write_embeddings(out: Path, sources: list, plan: list[tuple[int, int]], dim: int,
+                     dtype: str = "float16") -> None:
+    """Stream rows ``sources[s][r]`` for each ``(s, r)`` in ``plan`` into a new .npy (atomically), stored as
+    ``dtype`` (``rows.DTYPES``; a source may be stored in either)."""
     src = np.array([s for s, _ in plan], dtype=np.int64).reshape(-1)
     row = np.array([r for _, r in plan], dtype=np.int64).reshape(-1)
+    same = all(storage_dtype(x) == dtype for x in sources)   # rows copied bit for bit, never re-rounded
     with atomic_path(out, suffix=".npy") as tmp:
-        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(len(plan), dim))
+        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=numpy_dtype(dtype), shape=(len(plan), dim))
         for start in range(0, len(plan), _BLOCK):
             s, r = src[start:start + _BLOCK], row[start:start + _BLOCK]
-            block = np.empty((len(s), dim), np.float16)
+            block = np.empty((len(s), dim), mm.dtype if same else np.float32)
             for k in np.unique(s):
                 sel = s == k
-                block[sel] = sources[k][r[sel]]
-            mm[start:start + len(s)] = block
+                rows_k = sources[k]
+                block[sel] = rows_k.bits[r[sel]] if same and isinstance(rows_k, BF16Rows) else rows_k[r[sel]]
+            mm[start:start + len(s)] = block if same else encode(block, dtype)
         mm.flush()
         del mm
 

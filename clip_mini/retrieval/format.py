@@ -21,11 +21,15 @@ import numpy as np
 
 from clip_mini.errors import ClipMiniError
 from clip_mini.io import atomic_write_json, atomic_write_text, sha256_file
+from clip_mini.retrieval.rows import storage_dtype, wrap
 
 # 2: item paths are relative to the manifest's "root" (the indexed folder, recorded once), so a folder moved or
 # shared together with its index keeps working. Version 1 (absolute paths) is still read.
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+# 3: bfloat16 rows (stored as uint16 bits, see clip_mini.retrieval.rows); float16 indexes stay version 2, so a
+# clip_mini that predates bfloat16 still reads them and refuses a bf16 one with a clear "format version" error
+BF16_FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
 # Rows indexed from WebDataset shards add where the image sits (path is "shard#key"); a reader that predates
 # them stops at the header with "expected columns ...", so the format version stays.
@@ -154,17 +158,18 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
     if faiss_kind:
         from clip_mini.retrieval import faiss_auto, search as S
 
-        emb = np.load(path / emb_name, mmap_mode="r")
+        emb = wrap(np.load(path / emb_name, mmap_mode="r"))
         files["faiss"] = f"faiss-{generation}.index"
         index = S.build_faiss(emb, faiss_kind, progress=progress)
         faiss_params = faiss_auto.tune(index, faiss_kind, emb, recall_target or faiss_auto.RECALL_TARGET)
         S.save_faiss(index, path / files["faiss"])
     previous = current_generation(path)
-    emb = np.load(path / emb_name, mmap_mode="r")
+    emb = wrap(np.load(path / emb_name, mmap_mode="r"))
     manifest = {
-        "format_version": FORMAT_VERSION, "generation": generation, "files": files,
+        "format_version": BF16_FORMAT_VERSION if storage_dtype(emb) == "bfloat16" else FORMAT_VERSION,
+        "generation": generation, "files": files,
         "checksums": {name: sha256_file(path / name) for name in files.values()},
-        "count": int(emb.shape[0]), "dim": int(emb.shape[1]), "dtype": "float16", "faiss_kind": faiss_kind,
+        "count": int(emb.shape[0]), "dim": int(emb.shape[1]), "dtype": storage_dtype(emb), "faiss_kind": faiss_kind,
         "faiss_params": faiss_params,
         "root": root,
         "clip_mini_version": __version__, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta,

@@ -3,7 +3,8 @@
 Index directory (format version 1)::
 
     manifest.json           names the current generation's files; model fingerprint, dim, count, checksums
-    embeddings-<gen>.npy    (count, dim) float16, L2-normalised; row i belongs to items row i
+    embeddings-<gen>.npy    (count, dim) float16 (or bfloat16 bits as uint16: --dtype bfloat16, format version 3),
+                            L2-normalised; row i belongs to items row i
     items-<gen>.csv         path, size, mtime_ns, sha256, caption; sorted by path
     faiss-<gen>.index       optional approximate index over the same rows
     skipped.csv             images the last build could not embed, with the reason

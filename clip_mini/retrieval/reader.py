@@ -12,6 +12,7 @@ import numpy as np
 
 from clip_mini.io import sha256_file
 from clip_mini.retrieval.format import EmbeddingIndexError, absolute_items, read_items, read_manifest
+from clip_mini.retrieval.rows import DTYPES, numpy_dtype, wrap
 
 _OPEN_RETRIES = 5
 
@@ -84,9 +85,14 @@ class IndexReader:
         except (ValueError, OSError) as e:
             raise EmbeddingIndexError(f"{emb_path} is corrupt: {e}") from None
         want = (int(manifest["count"]), int(manifest["dim"]))
-        if embeddings.dtype != np.float16 or embeddings.shape != want:
+        dtype = manifest.get("dtype", "float16")
+        if dtype not in DTYPES:
+            raise EmbeddingIndexError(f"{path / 'manifest.json'} says the rows are {dtype!r}; clip_mini reads "
+                                      f"{', '.join(DTYPES)}")
+        if embeddings.dtype != numpy_dtype(dtype) or embeddings.shape != want:
             raise EmbeddingIndexError(f"{emb_path} holds {embeddings.dtype} {embeddings.shape}, manifest.json says "
-                                      f"float16 {want}")
+                                      f"{dtype} {want}")
+        embeddings = wrap(embeddings)   # bfloat16 bits: a view that reads as float32
         items = absolute_items(read_items(path / files["items"]), manifest, path)
         if len(items["path"]) != want[0]:
             raise EmbeddingIndexError(f"{path / files['items']} has {len(items['path'])} rows, manifest.json "

@@ -1,4 +1,4 @@
-"""Search back ends over stored float16 embeddings: exact (chunked matrix product) and faiss (HNSW or IVF).
+"""Search back ends over stored float16 (or bfloat16) embeddings: exact (chunked matrix product) and faiss (HNSW or IVF).
 
 Exact search has two kernels, with the same results (the float32 top-K, ties by row id):
 
@@ -13,6 +13,11 @@ Exact search has two kernels, with the same results (the float32 top-K, ties by 
   approximate score is within that bound of the approximate K-th best is re-scored exactly, so no true top-K row
   can be missed. fp16 arithmetic itself is never used: without native support it is emulated and ~100x slower.
 
+An index stored as bfloat16 (``clip-mini index --dtype bfloat16``, ``clip_mini.retrieval.rows``) skips every
+conversion: the torch kernel hands its rows straight to the bf16 matrix-vector or matrix product (one query over
+1M rows at about the time it takes to read them), and the numpy kernel widens bf16 bits to float32 exactly.
+Re-scoring uses the stored values either way, so results are exact for the rows as stored.
+
 faiss (``pip install 'clip-mini[faiss]'``) is approximate and worth it for large indexes: its stored graph or
 inverted lists avoid touching every row. It is imported only when used.
 """
@@ -25,6 +30,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
+from clip_mini.retrieval.rows import BF16Rows, bf16_bits_to_f32
 
 FaissKind = Literal["hnsw", "ivf", "ivfpq"]
 # Above this many rows `auto` prefers a stored faiss index: exact search time grows with the rows (the float16 ->
@@ -103,9 +110,10 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     k = min(k, n)
     if kernel not in ("auto", "numpy", "torch"):
         raise ValueError(f"unknown exact-search kernel {kernel!r} (use auto, numpy or torch)")
+    bf16 = isinstance(embeddings, BF16Rows)
     if kernel == "auto":
         kernel = "torch" if ("torch" in sys.modules and n >= TORCH_MIN_ROWS
-                             and embeddings.dtype == np.float16) else "numpy"
+                             and (bf16 or embeddings.dtype == np.float16)) else "numpy"
     if kernel == "torch":
         return _exact_torch(embeddings, queries, k)
     chunk_rows = max(chunk_rows or (1 << 21) // dim, 1)
@@ -116,7 +124,10 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     best_i = np.full((len(queries), k), -1, dtype=np.int64)
     for start in range(0, n, chunk_rows):
         c = min(chunk_rows, n - start)
-        np.copyto(block[:c], embeddings[start:start + c], casting="unsafe")   # float16 -> float32
+        if bf16:
+            bf16_bits_to_f32(embeddings.bits[start:start + c], out=block[:c])
+        else:
+            np.copyto(block[:c], embeddings[start:start + c], casting="unsafe")   # float16 -> float32
         np.matmul(queries, block[:c].T, out=sims[:, :c])  # (Q, c)
         _merge_chunk(best_s, best_i, sims[:, :c], start)
     return _sort_topk(best_s, best_i)
@@ -150,27 +161,33 @@ _FP16_MARGIN = 2e-3
 _BF16_MARGIN = 8e-3
 _BIG_CHUNK = 1 << 18      # rows per fp16 mv call (128 MB at d=256: the page cache streams a larger-than-RAM map)
 _BF16_CHUNK = 4096        # rows per bf16 product: the fp32 and bf16 copies stay in the L2 cache
+_BF16_ROWS_CHUNK = 16384  # rows per product over stored bf16 rows (no copies; fewer, larger topk calls)
 
 
 def _exact_torch(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     import torch
 
+    bf16 = isinstance(embeddings, BF16Rows)
     with warnings.catch_warnings():   # torch warns about read-only memory maps; nothing writes to it
         warnings.simplefilter("ignore")
-        E = torch.from_numpy(np.asarray(embeddings).view(np.int16)).view(torch.float16)   # (N, d), no copy
+        bits = embeddings.bits if bf16 else np.asarray(embeddings)
+        E = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16 if bf16 else torch.float16)  # (N, d), no copy
     few = len(queries) <= _MV_MAX_QUERIES
-    margin = _FP16_MARGIN if few else _BF16_MARGIN
+    margin = _FP16_MARGIN if few and not bf16 else _BF16_MARGIN
     q = torch.from_numpy(queries)
     qh, qb = q.half(), q.bfloat16()
 
     def approx(start: int, stop: int) -> torch.Tensor:   # (Q, rows) approximate scores, fp16 or bf16
         chunk = E[start:stop]
         if few:
-            return torch.stack([torch.mv(chunk, qh[j]) for j in range(len(queries))])
+            qv = qb if bf16 else qh
+            return torch.stack([torch.mv(chunk, qv[j]) for j in range(len(queries))])
+        if bf16:   # stored bf16 rows go straight into the bf16 product: no conversion pass
+            return qb @ chunk.T
         return qb @ chunk.float().bfloat16().T   # bf16 result: its rounding is inside the margin too
 
     # Pass 1: each chunk's top `keep` approximate scores (one topk per chunk: cheap, no scans of the scores).
-    step, keep = (_BIG_CHUNK, k + 32) if few else (_BF16_CHUNK, k + 32)
+    step, keep = (_BIG_CHUNK, k + 32) if few else (_BF16_ROWS_CHUNK if bf16 else _BF16_CHUNK, k + 32)
     spans, tops = [], []
     with torch.inference_mode():
         for start in range(0, len(E), step):
@@ -206,6 +223,7 @@ def _rescore(embeddings: np.ndarray, queries: np.ndarray, cq: np.ndarray, ci: np
         # float64 products rounded once: equal rows get equal scores (a float32 BLAS call can round the rows of
         # one product differently, by where each falls in its vector blocks), so ties really go by row id.
         s = (np.asarray(embeddings[rows], dtype=np.float64) @ queries[j].astype(np.float64)).astype(np.float32)
+        # (a BF16Rows index returns its stored values exactly as float32, so these are the stored rows' scores)
         order = np.lexsort((rows, -s))[:k]
         scores[j], ids[j] = s[order], rows[order]
     return scores, ids

@@ -15,11 +15,14 @@ from typing import Optional, Sequence
 from clip_mini.retrieval.build import faiss_kind, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
+from clip_mini.retrieval.rows import storage_dtype
 
 
 def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = None, faiss: str = "auto",
-                  progress: bool = True) -> IndexReader:
+                  progress: bool = True, dtype: Optional[str] = None) -> IndexReader:
     """Merge indexes of one model (default: every ``path/shards/i-of-n``) into ``path``, sorted by path.
+
+    The merged rows are stored as ``dtype`` ("float16" or "bfloat16"; default: the first shard's).
 
     Raises:
         EmbeddingIndexError: no sources, a missing shard of n, different models, or one path with two contents.
@@ -51,7 +54,8 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
         if (path / "manifest.json").is_file():
             IndexReader.load(path, verify=False).check_model(parts[0].fingerprint, "the shards' model")
         generation = current_generation(path) + 1
-        write_embeddings(path / f"embeddings-{generation}.npy", [p.embeddings for p in parts], plan, parts[0].dim)
+        write_embeddings(path / f"embeddings-{generation}.npy", [p.embeddings for p in parts], plan, parts[0].dim,
+                         dtype or storage_dtype(parts[0].embeddings))
         m0 = parts[0].manifest
         meta = {"model_fingerprint": m0["model_fingerprint"], "model_dir": m0.get("model_dir"),
                 "source": m0.get("source"), "shard": None}

@@ -25,6 +25,7 @@ from clip_mini.io import atomic_path, atomic_write_json
 from clip_mini.retrieval.build import _write_skipped, faiss_kind, read_work_json, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
+from clip_mini.retrieval.rows import storage_dtype
 
 if TYPE_CHECKING:   # the query path imports this module and must not pull in torch
     from clip_mini.model import ImageForward
@@ -149,12 +150,13 @@ Embedder = Callable[[Sequence[str], Parts], None]
 
 def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: int = 64, precision: str = "fp32",
                  faiss: str = "auto", source: Optional[str] = None, model_dir: Optional[str] = None,
-                 progress: bool = True, embed: Optional[Embedder] = None) -> IndexReader:
+                 progress: bool = True, embed: Optional[Embedder] = None, dtype: Optional[str] = None) -> IndexReader:
     """Make the index at ``path`` hold every usable image of ``shards`` (a mirror: other rows are dropped).
 
     Args:
         shards: shard URLs (``clip_mini.data.webdataset.expand_shards``).
         embed: the embedding pass ``embed(pending_shards, parts)``; default ``embed_local`` in this process.
+        dtype: row storage, "float16" or "bfloat16"; None keeps an existing index's (float16 for a new one).
         Others as ``build.sync_index``.
 
     Raises:
@@ -189,7 +191,8 @@ def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: 
             print(f"index: skipped {len(skipped)} unusable samples (see {path / 'skipped.csv'})")
         sources = [old.embeddings if old is not None else np.zeros((0, embedder.dim), np.float16)] + parts.arrays
         generation = current_generation(path) + 1
-        write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, embedder.dim)
+        write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, embedder.dim,
+                         dtype or (storage_dtype(old.embeddings) if old is not None else "float16"))
         meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": None,
                 "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
         commit(path, generation, rows, meta, faiss_kind(faiss, old, len(plan), embedder.dim), progress)
