@@ -209,16 +209,16 @@ def test_unchanged_onnx_is_hashed_once_and_an_edit_is_still_caught(exported, tmp
     import os
     import time
 
-    from clip_mini.retrieval import onnx_export
+    from clip_mini import checksums
 
     monkeypatch.setenv("CLIP_MINI_CACHE_DIR", str(tmp_path / "cache"))
     model_dir = _copy(exported, tmp_path / "m")
     hashed = []
-    real = onnx_export.sha256_file
-    monkeypatch.setattr(onnx_export, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    real = checksums.sha256_file
+    monkeypatch.setattr(checksums, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
     TextQueryEncoder.load(model_dir)
     TextQueryEncoder.load(model_dir)
-    assert hashed == ["text.onnx"]   # the second load trusted the stamp of the unchanged file
+    assert hashed == ["text.onnx", "text.onnx.data"]   # the second load trusted the stamps of the unchanged files
     onnx = model_dir / ONNX_DIR / "text.onnx"
     st = onnx.stat()
     data = bytearray(onnx.read_bytes())
@@ -228,4 +228,12 @@ def test_unchanged_onnx_is_hashed_once_and_an_edit_is_still_caught(exported, tmp
     os.utime(onnx, ns=(st.st_atime_ns, st.st_mtime_ns))         # mtime set back: only the ctime tells
     with pytest.raises(OnnxError, match=r"text\.onnx is corrupt"):
         TextQueryEncoder.load(model_dir)
-    assert hashed == ["text.onnx", "text.onnx"]
+    assert hashed == ["text.onnx", "text.onnx.data", "text.onnx"]
+    weights = model_dir / ONNX_DIR / "text.onnx.data"   # the weights file is checked the same way
+    data[len(data) // 2] ^= 0xFF
+    onnx.write_bytes(bytes(data))                               # the graph back as exported
+    w = bytearray(weights.read_bytes())
+    w[len(w) // 3] ^= 0x01
+    weights.write_bytes(bytes(w))
+    with pytest.raises(OnnxError, match=r"text\.onnx\.data is corrupt"):
+        TextQueryEncoder.load(model_dir)

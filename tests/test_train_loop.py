@@ -236,9 +236,9 @@ def test_flickr8k_config_trains_lit_style_on_real_photos(tmp_path):
 
     run = tmp_path / "flickr"
     cfg = load_config(ROOT / "configs/flickr8k.yaml", [
-        # 200 train images (test is carved from the back of the shuffle): the 2-view feature pass stays seconds
+        # 200 train images (test is carved from the back of the shuffle), 2 views: the feature pass stays seconds
         f"data.captions={FLICKR8K / 'captions.csv'}", f"data.cache_dir={tmp_path / 'cache'}", "data.val=40",
-        "data.test=6851",
+        "data.test=6851", "train.frozen_features=2",
         "data.workers=0", "train.batch_size=16", "train.max_steps=3", "train.epochs=1", "train.warmup_steps=1",
         "train.eval_batch_size=64", f"train.out_dir={run}"])
     result = train(cfg)

@@ -4,7 +4,8 @@ Each graph is a whole ``encode_*`` call: tower, projection head and L2 normalisa
 
     text.onnx    input_ids, attention_mask (batch, length) int64  ->  text_features (batch, dim) float32
     image.onnx   pixels (batch, 3, S, S) float32 (the eval transform's output)  ->  image_features (batch, dim)
-    onnx.json    the model fingerprint they were exported from, their sha256, opset and exporter versions
+    *.onnx.data  each graph's weights (ONNX external data, memory-mapped by onnxruntime; see ``weights_file``)
+    onnx.json    the model fingerprint they were exported from, every file's sha256, opset and exporter versions
 
 Where they live: ``<model_dir>/onnx/`` (written when the model directory is saved with ``export_onnx=True``, or
 on first use), or ``<cache>/onnx/<fingerprint>/`` when the model directory is read-only (``<cache>`` is the image
@@ -22,7 +23,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from clip_mini.io import atomic_dir, atomic_write_json, sha256_file
+from clip_mini.checksums import cache_root, known_sha256
+from clip_mini.io import atomic_dir, sha256_file
 from clip_mini.manifest import ModelDirError, read_manifest
 
 ONNX_DIR = "onnx"
@@ -33,12 +35,6 @@ OPSET = 17
 
 class OnnxError(ModelDirError):
     """The ONNX copy of a model is missing, damaged or from another model; the message names the file."""
-
-
-def cache_root() -> Path:
-    if os.environ.get("CLIP_MINI_CACHE_DIR"):
-        return Path(os.environ["CLIP_MINI_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clip_mini"
 
 
 def candidate_dirs(model_dir: Path, fingerprint: str) -> list[Path]:
@@ -60,38 +56,24 @@ def verify_onnx(folder: Path, fingerprint: str, towers: tuple[str, ...] = ("text
         raise OnnxError(f"{index_path} was exported from model {their_fp}, not {fingerprint}")
     out = {}
     for tower in towers:
-        path = folder / TOWERS[tower]
-        if not path.is_file():
-            raise OnnxError(f"{path} not found")
-        if _known_sha256(path) != files.get(TOWERS[tower]):
-            raise OnnxError(f"{path} is corrupt: its sha256 does not match {INDEX}")
-        out[tower] = path
+        name = TOWERS[tower]
+        # the graph, and its weights file when the export keeps them outside (every export since weights_file)
+        for part in (name, weights_file(name)) if weights_file(name) in files else (name,):
+            path = folder / part
+            if not path.is_file():
+                raise OnnxError(f"{path} not found")
+            if known_sha256(path) != files.get(part):
+                raise OnnxError(f"{path} is corrupt: its sha256 does not match {INDEX}")
+        out[tower] = folder / name
     return out
 
 
-def _known_sha256(path: Path) -> str:
-    """``sha256_file(path)``, remembered in the user cache against the file's identity (device, inode, size,
-    mtime and ctime in ns), so an unchanged file is hashed once, not on every query (hashing the 91 MB MiniLM
-    text.onnx was ~75 ms of a cold text search). Any write to the file changes its ctime, which user code cannot
-    set back, so a changed file is always hashed again; a stamp that cannot be read or written is ignored."""
-    import hashlib
+def weights_file(name: str) -> str:
+    """The file holding an exported graph's weights (ONNX external data) beside the graph ``name``.
 
-    st = path.stat()
-    identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    stamp = cache_root() / "sha256" / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".json")
-    try:
-        known = json.loads(stamp.read_text(encoding="utf-8"))
-        if known["identity"] == identity and isinstance(known["sha256"], str):
-            return known["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    digest = sha256_file(path)
-    if path.stat().st_ctime_ns == st.st_ctime_ns:   # not written to while it was being hashed
-        try:
-            atomic_write_json(stamp, {"path": str(path.resolve()), "identity": identity, "sha256": digest})
-        except OSError:
-            pass
-    return digest
+    onnxruntime memory-maps external weights instead of parsing them out of the protobuf: a session over the 91 MB
+    MiniLM text tower starts in ~0.04 s instead of ~0.12 s, a third of a cold text query's budget."""
+    return name + ".data"
 
 
 def ensure_onnx(model_dir: str | Path, tower: str, repair: bool = False) -> Path:
@@ -168,9 +150,22 @@ def _export(model, out_dir: str | Path, fingerprint: str, size: int) -> None:
         torch.onnx.export(_encoder(model, "encode_image"), (pixels,), str(tmp / TOWERS["image"]), dynamo=False,
                           input_names=["pixels"], output_names=["image_features"],
                           dynamic_axes={"pixels": {0: "batch"}, "image_features": {0: "batch"}}, opset_version=OPSET)
+        for name in TOWERS.values():
+            _externalise(tmp / name)
         index = {"fingerprint": fingerprint, "opset": OPSET, "torch": torch.__version__,
-                 "files": {name: sha256_file(tmp / name) for name in TOWERS.values()}}
+                 "files": {part: sha256_file(tmp / part) for name in TOWERS.values()
+                           for part in (name, weights_file(name))}}
         (tmp / INDEX).write_text(json.dumps(index, indent=1), encoding="utf-8")
+
+
+def _externalise(path: Path) -> None:
+    """Rewrite the graph at ``path`` with its weights in ``weights_file`` beside it (see there for why)."""
+    import onnx
+
+    graph = onnx.load(str(path))
+    onnx.save_model(graph, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=weights_file(path.name), size_threshold=1024)
+    os.chmod(path.with_name(weights_file(path.name)), path.stat().st_mode & 0o777)   # onnx writes it 0600
 
 
 def _encoder(model, method: str):

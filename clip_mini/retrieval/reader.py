@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from clip_mini.io import sha256_file
+from clip_mini.checksums import known_sha256
 from clip_mini.retrieval.format import EmbeddingIndexError, absolute_items, read_items, read_manifest
 from clip_mini.retrieval.rows import DTYPES, numpy_dtype, wrap
 
@@ -50,7 +50,8 @@ class IndexReader:
 
         Args:
             path: index directory.
-            verify: check the sha256 of every data file against the manifest (reads each file once).
+            verify: check the sha256 of every data file against the manifest (each file is hashed once while it
+                is unchanged: ``clip_mini.checksums``).
 
         Raises:
             EmbeddingIndexError: missing directory or files, corrupt manifest or data, unknown format version.
@@ -75,7 +76,7 @@ class IndexReader:
         files = manifest["files"]
         if verify:
             for name in (files["embeddings"], files["items"]):
-                if sha256_file(path / name) != manifest["checksums"][name]:
+                if known_sha256(path / name) != manifest["checksums"][name]:   # hashed once while unchanged
                     raise EmbeddingIndexError(f"{path / name} is corrupt: its sha256 does not match manifest.json")
         emb_path = path / files["embeddings"]
         try:
@@ -148,7 +149,7 @@ class IndexReader:
             if name is None:
                 self._faiss = S.build_faiss(self.embeddings, kind)
             else:
-                if sha256_file(self.path / name) != self.manifest["checksums"][name]:
+                if known_sha256(self.path / name) != self.manifest["checksums"][name]:
                     raise EmbeddingIndexError(f"{self.path / name} is corrupt: its sha256 does not match manifest")
                 self._faiss = S.load_faiss(self.path / name)
                 from clip_mini.retrieval.faiss_auto import apply_params
