@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         subprocess.run([cli, "search", "--index", str(index), *text], check=True, capture_output=True, cwd=ROOT)
         export_s = time.perf_counter() - t
-        onnx_bytes = {f.name: f.stat().st_size for f in sorted((model_dir / "onnx").glob("*.onnx"))}
+        onnx_bytes = {f.name: f.stat().st_size for f in sorted((model_dir / "onnx").glob("*.onnx*"))}
         from PIL import Image
 
         with Image.open(image) as im:
