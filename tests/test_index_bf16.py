@@ -174,3 +174,19 @@ def test_cli_index_dtype_and_search(tmp_path, model_dir, image_folder, capsys):
     assert main(["index", "--model", str(model_dir), "--images", str(image_folder), "--out", str(out),
                  "--quiet"]) == 0
     assert json.loads((out / "manifest.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("n,k", [(50_000, 50), (300, 10), (20_000, 1)])
+def test_torch_bf16_many_queries_match_brute_force_on_clustered_rows(n, k):
+    # tight clusters: many rows within the bf16 margin of each other, the case the running floor must not cut
+    rng = np.random.default_rng(n)
+    centres = _unit(20, 64, 6)
+    rows = centres[rng.integers(0, 20, n)] + 0.02 * rng.standard_normal((n, 64)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    view = BF16Rows(encode(rows, "bfloat16"))
+    q = centres[:12] + 0.01 * rng.standard_normal((12, 64)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    scores, ids = S.exact_search(view, q, k=k, kernel="torch")
+    want_s, want_i = _stored_brute_force(view, q, k)
+    np.testing.assert_allclose(scores, want_s, atol=1e-6)
+    np.testing.assert_array_equal(ids, want_i)
