@@ -49,6 +49,7 @@ class VisionConfig:
     # with the features joined as they come, as here (features_loss.json); the 30-minute recipe in configs/flickr8k.yaml.
     concat: Optional[str] = None
     concat_size: int = 224
+    concat_pooling: Literal["cls", "cls_mean"] = "cls"   # the second tower's output, as `pooling` for a ViT
 
 
 @dataclass

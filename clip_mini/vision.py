@@ -248,11 +248,12 @@ class ImageEncoder(nn.Module):
 
 
 def concat_config(cfg: VisionConfig) -> VisionConfig:
-    """The second tower of ``cfg.concat``: DINOv2 ViT-S/14 geometry, locked, pooled at its CLS token."""
+    """The second tower of ``cfg.concat``: DINOv2 ViT-S/14 geometry, locked, pooled at its CLS token (or
+    ``concat_pooling: cls_mean``: [CLS ; patch mean])."""
     if cfg.concat != DINOV2_IMGFOCUS:
         raise WeightsError(f"model.vision.concat must be {DINOV2_IMGFOCUS}, got {cfg.concat!r}")
     return VisionConfig(backbone="vit", image_size=cfg.concat_size, init_values=1e-5, pretrained=DINOV2_IMGFOCUS,
-                        trainable=False, **DINOV2_GEOMETRY)
+                        trainable=False, pooling=cfg.concat_pooling, **DINOV2_GEOMETRY)
 
 
 def inference_tower(encoder: ImageEncoder, precision: str) -> ImageEncoder:

@@ -39,6 +39,20 @@ def test_second_tower_sees_its_own_size_and_normalisation():
     assert not torch.allclose(other[0], other[1])   # the two images differ, so the check is not vacuous
 
 
+def test_concat_pooling_cls_mean_appends_class_token_and_patch_mean():
+    torch.manual_seed(0)
+    enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64, concat_pooling="cls_mean",
+                                    **CONCAT)).eval()
+    pixels = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        out = enc(pixels)
+        small = F.interpolate(pixels, size=(28, 28), mode="bilinear", align_corners=False)
+        tokens = enc.concat.trunk.forward_features(small * enc.concat_scale + enc.concat_shift)
+    assert enc.width == 1280 + 2 * 384 and out.shape == (2, enc.width)
+    torch.testing.assert_close(out[:, 1280:1664], tokens[:, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[:, 1664:], tokens[:, 1:].mean(1), rtol=1e-4, atol=1e-4)
+
+
 def test_config_errors_name_the_key():
     base = ["model.vision.backbone=efficientnet_lite0", f"model.vision.pretrained={EFFNET_PYPI}",
             "model.vision.trainable=false", f"model.vision.concat={DINOV2_IMGFOCUS}"]
@@ -46,7 +60,8 @@ def test_config_errors_name_the_key():
     for extra, match in ((["model.vision.concat=resnet"], r"model\.vision\.concat must be"),
                          (["model.vision.concat_size=100"], r"concat_size must be a positive multiple of 14"),
                          (["model.vision.trainable=true"], r"model\.vision\.trainable=false"),
-                         (["model.vision.pretrained=null"], r"set model\.vision\.pretrained")):
+                         (["model.vision.pretrained=null"], r"set model\.vision\.pretrained"),
+                         (["model.vision.concat_pooling=mean"], r"concat_pooling must be one of")):
         with pytest.raises(ConfigError, match=match):
             load_config(None, base + extra)
 
