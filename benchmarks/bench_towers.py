@@ -7,8 +7,9 @@ Towers at 224 px: EfficientNet-Lite0 (``configs/flickr8k.yaml``'s locked tower) 
 Gradient-free passes under ``torch.inference_mode``, as the feature pass and indexing run them:
 
 * ``autocast``: fp32 weights under bf16 autocast (the path before ``vision.inference_tower``);
-* ``bf16_weights``: ``vision.inference_tower`` (a bf16 copy of the tower, channels-last for the CNN), what the
-  feature pass and indexing now run under ``precision: bf16``;
+* ``bf16_weights``: ``vision.inference_tower`` (a bf16 copy of the tower, channels-last for the CNN, its BatchNorms
+  folded into the convolutions), what the feature pass and indexing now run under ``precision: bf16``;
+* ``bf16_weights_unfolded_bn`` (CNN only): the same copy without the folding, to measure what it adds;
 * ``fp32``: for reference, and as the reference output for the cosine of each bf16 path.
 
 Arms run interleaved, round by round, each round also timing the bf16 matmul peak, so other processes slow all
@@ -69,6 +70,9 @@ def bench_tower(name: str, batch: int, rounds: int) -> dict:
         "autocast": (encoder, pixels, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
         "bf16_weights": (fast, tower_input(fast, pixels), nullcontext),
     }
+    if encoder.cfg.backbone != "vit":   # what folding BatchNorm into the convolutions adds, in the same rounds
+        unfolded = inference_tower(encoder, "bf16", fold_bn=False)
+        arms["bf16_weights_unfolded_bn"] = (unfolded, tower_input(unfolded, pixels), nullcontext)
 
     def run(arm) -> torch.Tensor:
         tower, x, ctx = arm
@@ -98,6 +102,8 @@ def bench_tower(name: str, batch: int, rounds: int) -> dict:
                           "min_cosine_vs_fp32": cosine[k], "batch_s_all": times[k]}
     arms = out["arms"]
     out["bf16_weights_vs_autocast"] = arms["bf16_weights"]["images_per_s"] / arms["autocast"]["images_per_s"]
+    if "bf16_weights_unfolded_bn" in arms:
+        out["bn_folding_speedup"] = arms["bf16_weights"]["images_per_s"] / arms["bf16_weights_unfolded_bn"]["images_per_s"]
     return out
 
 

@@ -256,7 +256,7 @@ def concat_config(cfg: VisionConfig) -> VisionConfig:
                         trainable=False, pooling=cfg.concat_pooling, **DINOV2_GEOMETRY)
 
 
-def inference_tower(encoder: ImageEncoder, precision: str) -> ImageEncoder:
+def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True) -> ImageEncoder:
     """The image tower for a pass that records no gradient (feature precompute, indexing).
 
     Under ``precision == "bf16"`` a copy with bf16 weights (channels-last for a CNN, its BatchNorms folded into the
@@ -270,7 +270,7 @@ def inference_tower(encoder: ImageEncoder, precision: str) -> ImageEncoder:
     import copy
 
     tower = copy.deepcopy(encoder).eval()
-    if encoder.cfg.backbone != "vit":
+    if encoder.cfg.backbone != "vit" and fold_bn:   # fold_bn=False: benchmarks/bench_towers.py's comparison arm
         from clip_mini.bn_fold import fold_batchnorm
 
         # BatchNorm folded into the convolutions (in fp32, before the cast): ~1.5x the images/s of the bf16 CNN
