@@ -14,7 +14,8 @@ Variants: ``mean`` (masked mean over the caption's tokens), ``cls-embedding`` ([
 BERT's learned [CLS] embedding), ``cls-zero`` (``model.text.cls_input=zero``: [CLS] enters as a zero vector, so
 its first attention is a learned-query pooling of the words), ``cls-zero-lr2`` (the same with twice the text
 tower's learning rate), ``cls-zero-l3`` (the same with a third text block: [CLS] reads contextualised words in
-two blocks, as masked-mean pooling averages states that went through all of them). Prints JSON and writes
+two blocks, as masked-mean pooling averages states that went through all of them), ``cls-zero-lrhalf`` (half the
+text tower's learning rate) and ``cls-zero-warm400`` (4x the warm-up). Prints JSON and writes
 ``benchmarks/results/demo_pooling.json`` after each variant.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ VARIANTS = {
     "cls-zero": ["model.text.pooling=cls", "model.text.cls_input=zero"],
     "cls-zero-lr2": ["model.text.pooling=cls", "model.text.cls_input=zero", "train.lr_text=4.0e-3"],
     "cls-zero-l3": ["model.text.pooling=cls", "model.text.cls_input=zero", "model.text.n_layers=3"],
+    "cls-zero-lrhalf": ["model.text.pooling=cls", "model.text.cls_input=zero", "train.lr_text=1.0e-3"],
+    "cls-zero-warm400": ["model.text.pooling=cls", "model.text.cls_input=zero", "train.warmup_steps=400"],
 }
 
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-import clip_mini
 from clip_mini.retrieval import search as S
 from clip_mini.retrieval.files import scan_images
 from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
 from clip_mini.retrieval.rows import BF16Rows, bf16_bits_to_f32, encode, f32_to_bf16_bits
 
 from conftest import write_images
+from test_index import _build, embedder  # noqa: F401 (fixture)
 
 
 def _unit(n, d, seed):
@@ -78,16 +78,6 @@ def test_bf16_margin_bounds_torch_approximate_scores():
     mm = (qb @ E.T).float().numpy().T
     assert np.abs(mv - exact).max() < S._BF16_MARGIN
     assert np.abs(mm - exact).max() < S._BF16_MARGIN
-
-
-@pytest.fixture(scope="module")
-def embedder(model_dir):
-    return clip_mini.load(model_dir)
-
-
-def _build(path, embedder, folder, **kw):
-    kw.setdefault("progress", False)
-    return EmbeddingIndex.build(path, embedder, scan_images(folder), **kw)
 
 
 def test_bf16_index_format_search_and_conversions(tmp_path, embedder, image_folder):
