@@ -40,7 +40,8 @@ def main() -> dict:
     p.add_argument("--model", default="runs/quality/d/best", help="model directory (configs/flickr8k.yaml's run)")
     p.add_argument("--images", default="../shared/data/flickr8k/images")
     p.add_argument("--limit", type=int, default=2000, help="photos indexed")
-    p.add_argument("--bf16", action="store_true", help="index with --bf16")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="index --precision (auto, the CLI's default: bf16 on a CPU with native bf16)")
     p.add_argument("--out", default="benchmarks/results/recipe.json")
     args = p.parse_args()
     exe = [sys.executable, "-m", "clip_mini"]
@@ -53,9 +54,14 @@ def main() -> dict:
         for f in photos:
             shutil.copy2(Path(args.images) / f, folder / f)
         cmd = exe + ["index", "--model", args.model, "--images", str(folder), "--out", str(index), "--quiet"]
-        cmd += ["--bf16"] if args.bf16 else []
+        cmd += ["--precision", args.precision]
         seconds, _ = _timed(cmd)
-        result["index"] = {"precision": "bf16" if args.bf16 else "fp32", "seconds": round(seconds, 1),
+        import torch
+
+        from clip_mini.devices import resolve_precision
+
+        resolved = resolve_precision(args.precision, torch.device("cpu"))
+        result["index"] = {"precision": f"{args.precision} ({resolved} here)", "seconds": round(seconds, 1),
                            "photos_per_s": round(len(photos) / seconds, 1)}
         result["index"]["unchanged_rerun_s"] = round(_timed(cmd)[0], 2)
         text = []
