@@ -17,6 +17,16 @@ fi
 echo; echo "== recall on the compositional split (data/shapes/compositional_test.csv, never trained on)"
 "$BIN/clip-mini" eval --model runs/tiny/best --data configs/tiny.yaml --split train \
   --set data.captions=data/shapes/compositional_test.csv --set data.val=0 --set data.test=0
+# The demo's index belongs to the demo's model: a retrained model (a changed config, `make clean` of runs/ only)
+# gets a fresh index instead of the "built with another model" refusal a user's own index would give.
+"$BIN/python" - <<'PY'
+import json, pathlib, shutil
+index = pathlib.Path("indexes/shapes/manifest.json")
+model = json.loads(pathlib.Path("runs/tiny/best/manifest.json").read_text())["fingerprint"]
+if index.is_file() and json.loads(index.read_text()).get("model_fingerprint") != model:
+    shutil.rmtree(index.parent)
+    print("demo: runs/tiny/best is a new model, so indexes/shapes is built afresh")
+PY
 "$BIN/clip-mini" index --model runs/tiny/best --images data/shapes/images --out indexes/shapes
 for q in "a large red circle on the left" "a blue star above a green square" "a small yellow triangle at the bottom"; do
   echo; echo "== $q"
