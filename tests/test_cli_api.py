@@ -130,10 +130,10 @@ def test_format_version_1_indexes_are_still_read(model_dir, tmp_path):
     atomic_write_json(tmp_path / "idx" / "manifest.json", m)
     old = EmbeddingIndex.load(tmp_path / "idx")
     assert old.items["path"] == index.items["path"]
-    m["format_version"] = 3
+    m["format_version"] = 4
     m["manifest_sha256"] = F._manifest_digest(m)
     atomic_write_json(tmp_path / "idx" / "manifest.json", m)
-    with pytest.raises(clip_mini.EmbeddingIndexError, match="format version 3, this clip_mini reads versions 1, 2"):
+    with pytest.raises(clip_mini.EmbeddingIndexError, match="format version 4, this clip_mini reads versions 1, 2, 3"):
         EmbeddingIndex.load(tmp_path / "idx")
 
 

@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
-RETRIEVAL_ORDER = ["search", "faiss_auto", "format", "files", "onnx_export", "reader", "build", "shards", "wds_source",
+RETRIEVAL_ORDER = ["rows", "search", "faiss_auto", "format", "files", "onnx_export", "reader", "build", "shards", "wds_source",
                    "ray_index", "preprocess_np", "query", "engine", "index"]
 
 
@@ -42,6 +42,9 @@ def test_leaves_stay_leaves():
     assert "clip_mini.version" in _imports(PKG / "model.py")
     # the command bodies print through printing.py, not through the argument parser that imports them
     assert not any(m.startswith("clip_mini.cli") for m in _imports(PKG / "commands.py"))
-    for leaf in ("version.py", "printing.py", "retrieval/search.py"):
+    for leaf in ("version.py", "printing.py", "retrieval/rows.py"):
         assert _imports(PKG / leaf) <= {"clip_mini.io", "clip_mini.io.atomic_write_with"}, \
             f"{leaf} should import nothing from clip_mini but the file helpers"
+    # the search back ends read stored rows (float16 or bfloat16) and nothing else of the package
+    assert {m for m in _imports(PKG / "retrieval/search.py") if not m.startswith("clip_mini.retrieval.rows")} <= \
+        {"clip_mini.io", "clip_mini.io.atomic_write_with"}, "retrieval/search.py should import only rows and io"
