@@ -8,7 +8,8 @@
 3. embed what is left in batches, appending chunks of float16 rows to ``.work/`` as they finish, so a build
    killed at any point resumes from its last chunk (chunks are keyed by content hash and model fingerprint);
 4. stream old rows and new chunks into a new ``embeddings-<gen>.npy``, float16 or bfloat16 rows (a memory map:
-   memory stays bounded by one block however large the index), then commit the generation (see ``clip_mini.retrieval.index``).
+   memory stays bounded by one block however large the index), then commit the generation (see
+   ``clip_mini.retrieval.index``).
 
 Rows are sorted by path, so incremental, resumed and sharded builds give the same index as one pass.
 """
