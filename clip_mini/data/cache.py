@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from clip_mini.checksums import cache_root
 from clip_mini.config import DataConfig, PreprocessConfig
 from clip_mini.data.images import DEFAULT_MAX_PIXELS, ImageError, load_image
 from clip_mini.data.transforms import resize_op, train_base_size
@@ -41,11 +42,8 @@ _FREE_MARGIN = 1 << 30   # leave at least 1 GiB free on the cache disk
 
 
 def default_cache_dir() -> Path:
-    """Root of the image caches (see module docstring for the order of precedence)."""
-    if os.environ.get("CLIP_MINI_CACHE_DIR"):
-        return Path(os.environ["CLIP_MINI_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "clip_mini"
+    """Root of the image caches (see module docstring for the order of precedence): clip_mini's one user cache."""
+    return cache_root()
 
 
 @functools.lru_cache(maxsize=8)

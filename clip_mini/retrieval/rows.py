@@ -76,17 +76,13 @@ def wrap(array: np.ndarray):
     return BF16Rows(array) if array.dtype == np.uint16 else array
 
 
-def encode(block: np.ndarray, dtype: str) -> np.ndarray:
-    """Rows (any float dtype) in a storage dtype: float16, or bfloat16 bits (uint16)."""
-    if dtype == "float16":
-        return np.asarray(block, dtype=np.float16)
-    if dtype == "bfloat16":
-        return f32_to_bf16_bits(block)
-    raise ValueError(f"embedding storage dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-
-
 def numpy_dtype(dtype: str) -> np.dtype:
     """The ``.npy`` dtype of a storage dtype."""
     if dtype not in DTYPES:
         raise ValueError(f"embedding storage dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return np.dtype(np.float16 if dtype == "float16" else np.uint16)
+
+
+def encode(block: np.ndarray, dtype: str) -> np.ndarray:
+    """Rows (any float dtype) in a storage dtype: float16, or bfloat16 bits (uint16)."""
+    return f32_to_bf16_bits(block) if numpy_dtype(dtype) == np.uint16 else np.asarray(block, dtype=np.float16)
