@@ -67,7 +67,8 @@ def test_exact_search_over_bf16_rows_is_exact_for_the_stored_values(kernel, nq):
 
 
 def test_bf16_margin_bounds_torch_approximate_scores():
-    # the torch kernel's short list is safe only if its bf16 products stay within _BF16_MARGIN of exact
+    # the torch kernel's short list is safe only if its bf16 products stay within half _BF16_MARGIN of exact
+    # (the proven bound: query and result rounded to bf16, 2 * 2^-8)
     rows = _unit(20_000, 256, 4)
     bits = encode(rows, "bfloat16")
     E = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
@@ -76,8 +77,9 @@ def test_bf16_margin_bounds_torch_approximate_scores():
     qb = torch.from_numpy(q).bfloat16()
     mv = torch.stack([torch.mv(E, qb[j]) for j in range(8)]).float().numpy().T
     mm = (qb @ E.T).float().numpy().T
-    assert np.abs(mv - exact).max() < S._BF16_MARGIN
-    assert np.abs(mm - exact).max() < S._BF16_MARGIN
+    mm_t = (E @ qb.T).float().numpy()   # rows by queries, as the many-queries pass computes it
+    for approx in (mv, mm, mm_t):
+        assert np.abs(approx - exact).max() < S._BF16_MARGIN / 2
 
 
 def test_bf16_index_format_search_and_conversions(tmp_path, embedder, image_folder):

@@ -182,6 +182,40 @@ def test_compositional_split_pairs_never_seen_in_training(trained_model_dir, sha
     assert m["t2i_r10"] > 0.4 and m["i2t_r10"] > 0.3   # chance 10/300; measured 0.70 and 0.54
 
 
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [150, 3001])
+def test_grouped_many_query_pass_is_exact(storage, n, monkeypatch):
+    """The many-queries pass keeps only each group's maximum: clustered near-ties spread over many groups, a
+    partial last group, and (n=150) fewer groups than the k asked for must still give the exact top-K."""
+    pytest.importorskip("torch")
+    from clip_mini.retrieval import search as S
+    from clip_mini.retrieval.rows import BF16Rows, encode
+
+    monkeypatch.setattr(S, "_BF16_CHUNK", 200)        # several chunks, not whole groups (rounded down to 192)
+    monkeypatch.setattr(S, "_BF16_ROWS_CHUNK", 200)
+    rng = np.random.default_rng(11)
+    centre = _unit(rng, 1, 32)[0]
+    emb = _unit(rng, n, 32)
+    emb[::3] = centre + 0.01 * rng.standard_normal((len(emb[::3]), 32))   # a third within ~0.01 of each other
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    emb[n - 1] = emb[n - 2] = emb[0]   # exact ties, one of them in the partial last group
+    q = _unit(rng, 12, 32)
+    q[0] = emb[0]
+    q[1] = centre
+    rows = BF16Rows(encode(emb, "bfloat16")) if storage == "bfloat16" else emb.astype(np.float16)
+    stored = np.asarray(rows, np.float32)
+    # float64 reference: bf16 rounding makes some rows equal, and float32 BLAS may round equal rows differently
+    sims = (q.astype(np.float64) @ stored.astype(np.float64).T).astype(np.float32)
+    order = np.lexsort((np.broadcast_to(np.arange(n), sims.shape), -sims), axis=1)
+    for k in (1, 10, 40):
+        scores, ids = exact_search(rows, q, k=k, kernel="torch")
+        ref_i = order[:, :k]
+        ref_s = np.take_along_axis(sims, ref_i, 1)
+        np.testing.assert_array_equal(ids, ref_i)
+        np.testing.assert_allclose(scores, ref_s, atol=1e-6)
+    assert ids[0, :3].tolist() == [0, n - 2, n - 1]
+
+
 @pytest.mark.parametrize("n_queries", [1, 3, 9])
 def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_path):
     pytest.importorskip("torch")
@@ -189,7 +223,7 @@ def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_pa
 
     # Small chunks so several chunks, their merge and the near-tie fallback all run on a small matrix.
     monkeypatch.setattr(S, "_BIG_CHUNK", 700)
-    monkeypatch.setattr(S, "_BF16_CHUNK", 300)
+    monkeypatch.setattr(S, "_BF16_CHUNK", 300)   # not whole groups of _GROUP rows: rounded down
     rng = np.random.default_rng(5)
     emb = _unit(rng, 3000, 24)
     emb[1000:1040] = emb[7]   # 41 identical rows: ties broken by row id, and one chunk holds more near-ties

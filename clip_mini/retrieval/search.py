@@ -6,12 +6,12 @@ Exact search has two kernels, with the same results (the float32 top-K, ties by 
   chunk of the (N, d) float16 matrix (a memory map, so an index larger than RAM works) is converted to float32 in
   a reused cache-sized buffer and scored with one BLAS product; top-K is kept with ``argpartition``.
 * torch (used when torch is already imported, as in a server or a notebook, or asked for): a cheap approximate
-  pass over the whole matrix, then exact float32 re-scoring of a short list. One or a few queries: torch's float16
-  matrix-vector product (float32 accumulation, read at close to memory speed; its float16 outputs are within
-  ``_FP16_MARGIN``). More queries: each cache-sized chunk goes float16 -> float32 -> bfloat16 and through a bf16
-  matrix product (AMX/AVX512-BF16 on this CPU, ~4x fp32), whose error is at most ``_BF16_MARGIN``. Every row whose
-  approximate score is within that bound of the approximate K-th best is re-scored exactly, so no true top-K row
-  can be missed. fp16 arithmetic itself is never used: without native support it is emulated and ~100x slower.
+  pass over the whole matrix, then exact float64 re-scoring of a short list. One or a few queries: torch's float16
+  matrix-vector product (float32 accumulation, read at close to memory speed). More queries: each cache-sized
+  chunk goes float16 -> float32 -> bfloat16 and through a bf16 matrix product (AMX/AVX512-BF16 on this CPU, ~4x
+  fp32), of which only the maximum of each group of 16 rows is kept. The approximate scores' rounding error has a
+  proven bound (the margins below); every row whose approximate score is within twice that bound of the
+  approximate K-th best is re-scored exactly, so no true top-K row can be missed. fp16 arithmetic itself is never used: without native support it is emulated and ~100x slower.
 
 An index stored as bfloat16 (``clip-mini index --dtype bfloat16``, ``clip_mini.retrieval.rows``) skips every
 conversion: the torch kernel hands its rows straight to the bf16 matrix-vector or matrix product (one query over
@@ -154,14 +154,19 @@ def _merge_chunk(best_s: np.ndarray, best_i: np.ndarray, sims: np.ndarray, offse
 # -- torch: approximate pass, exact re-scoring ------------------------------------------------------------------
 TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
 _MV_MAX_QUERIES = 4       # up to this many queries: one fp16 matrix-vector product each (memory-bound)
-# Error bounds of the approximate scores for unit rows and queries (|sum e_i q_i| <= sum |e_i q_i| <= 1):
-# fp16 mv rounds the query and the result to fp16 (2^-11 relative each) and accumulates in fp32;
-# bf16 rounds both operands to 8 significant bits (2^-9 relative each), products summed in fp32.
-_FP16_MARGIN = 2e-3
-_BF16_MARGIN = 8e-3
+# How far an approximate score can be from the exact one, for unit rows and queries (|sum e_i q_i| <= sum |e_i q_i|
+# <= 1; u = the unit roundoff: 2^-11 for fp16, 2^-8 for bf16; products are accumulated in fp32):
+# fp16 mv rounds the query and the result to fp16 (2u); a bf16 product over stored bf16 rows rounds the query and
+# the result to bf16 (2u); over float16 rows it rounds the rows as well (3u). A row of the true top-K can score up
+# to twice that below the approximate K-th best (its own error and that of the rows that set the K-th best), so
+# the short list keeps everything within the margin = 2 * bound (+ slack for the fp32 accumulation).
+_FP16_MARGIN = 4 * 2.0 ** -11 + 1e-5
+_BF16_MARGIN = 4 * 2.0 ** -8 + 1e-5             # stored bf16 rows
+_BF16_CONVERTED_MARGIN = 6 * 2.0 ** -8 + 1e-5   # float16 rows converted to bf16 for the product
 _BIG_CHUNK = 1 << 18      # rows per fp16 mv call (128 MB at d=256: the page cache streams a larger-than-RAM map)
-_BF16_CHUNK = 4096        # rows per bf16 product: the fp32 and bf16 copies stay in the L2 cache
-_BF16_ROWS_CHUNK = 16384  # rows per product over stored bf16 rows (no copies; fewer, larger topk calls)
+_BF16_CHUNK = 4096        # float16 rows converted per bf16 product: the fp32 and bf16 copies stay in the L2 cache
+_BF16_ROWS_CHUNK = 16384  # stored bf16 rows per product (no copies)
+_GROUP = 16               # rows per group maximum in the many-queries pass
 
 
 def _exact_torch(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -172,45 +177,80 @@ def _exact_torch(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[n
         warnings.simplefilter("ignore")
         bits = embeddings.bits if bf16 else np.asarray(embeddings)
         E = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16 if bf16 else torch.float16)  # (N, d), no copy
-    few = len(queries) <= _MV_MAX_QUERIES
-    margin = _FP16_MARGIN if few and not bf16 else _BF16_MARGIN
     q = torch.from_numpy(queries)
-    qh, qb = q.half(), q.bfloat16()
-
-    def approx(start: int, stop: int) -> torch.Tensor:   # (Q, rows) approximate scores, fp16 or bf16
-        chunk = E[start:stop]
-        if few:
-            qv = qb if bf16 else qh
-            return torch.stack([torch.mv(chunk, qv[j]) for j in range(len(queries))])
-        if bf16:   # stored bf16 rows go straight into the bf16 product: no conversion pass
-            return qb @ chunk.T
-        return qb @ chunk.float().bfloat16().T   # bf16 result: its rounding is inside the margin too
-
-    # Pass 1: each chunk's top `keep` approximate scores (one topk per chunk: cheap, no scans of the scores).
-    step, keep = (_BIG_CHUNK, k + 32) if few else (_BF16_ROWS_CHUNK if bf16 else _BF16_CHUNK, k + 32)
-    spans, tops = [], []
     with torch.inference_mode():
-        for start in range(0, len(E), step):
-            a = approx(start, start + step)
-            v, i = torch.topk(a, min(keep, a.shape[1]), dim=1)   # (Q, keep) each
-            spans.append((start, start + a.shape[1]))
-            tops.append((v.float(), i + start))
-        vals = torch.cat([v for v, _ in tops], 1)
-        kth = torch.topk(vals, k, dim=1).values[:, -1:]   # (Q, 1) approximate K-th best over all rows
-        floor = kth - margin
-        cand_q, cand_i = [], []
-        for (start, stop), (v, i) in zip(spans, tops):
-            if v.shape[1] == stop - start or bool((v[:, -1:] < floor).all()):
-                # Everything this chunk left out scores below the K-th best minus the margin: its top list is
-                # complete. Otherwise (many near-ties in one chunk) take every row above the floor.
-                qs, cols = torch.nonzero(v >= floor, as_tuple=True)
-                cand_q.append(qs)
-                cand_i.append(i[qs, cols])
-            else:
-                qs, rows = torch.nonzero(approx(start, stop).float() >= floor, as_tuple=True)
-                cand_q.append(qs)
-                cand_i.append(rows + start)
-    return _rescore(embeddings, queries, torch.cat(cand_q).numpy(), torch.cat(cand_i).numpy(), k)
+        if len(queries) <= _MV_MAX_QUERIES:
+            cq, ci = _few_queries(torch, E, q.bfloat16() if bf16 else q.half(), k,
+                                  _BF16_MARGIN if bf16 else _FP16_MARGIN)
+        else:
+            cq, ci = _many_queries(torch, E, q.bfloat16(), k, _BF16_MARGIN if bf16 else _BF16_CONVERTED_MARGIN)
+    return _rescore(embeddings, queries, cq.numpy(), ci.numpy(), k)
+
+
+def _few_queries(torch, E, qv, k: int, margin: float):
+    """One matrix-vector product per query (memory-bound: the matrix is read at close to memory speed), each
+    chunk's top ``k + 32`` kept; returns the (query, row) pairs whose approximate score is within ``margin`` of the
+    approximate K-th best."""
+    def approx(start: int, stop: int):
+        return torch.stack([torch.mv(E[start:stop], qv[j]) for j in range(len(qv))])
+
+    spans, tops = [], []
+    for start in range(0, len(E), _BIG_CHUNK):
+        a = approx(start, start + _BIG_CHUNK)
+        v, i = torch.topk(a, min(k + 32, a.shape[1]), dim=1)   # (Q, keep) each
+        spans.append((start, start + a.shape[1]))
+        tops.append((v.float(), i + start))
+    vals = torch.cat([v for v, _ in tops], 1)
+    floor = torch.topk(vals, k, dim=1).values[:, -1:] - margin   # (Q, 1)
+    cand_q, cand_i = [], []
+    for (start, stop), (v, i) in zip(spans, tops):
+        if v.shape[1] == stop - start or bool((v[:, -1:] < floor).all()):
+            # Everything this chunk left out scores below the floor: its top list is complete. Otherwise (many
+            # near-ties in one chunk) take every row above the floor.
+            qs, cols = torch.nonzero(v >= floor, as_tuple=True)
+            cand_q.append(qs)
+            cand_i.append(i[qs, cols])
+        else:
+            qs, rows = torch.nonzero(approx(start, stop).float() >= floor, as_tuple=True)
+            cand_q.append(qs)
+            cand_i.append(rows + start)
+    return torch.cat(cand_q), torch.cat(cand_i)
+
+
+def _many_queries(torch, E, qb, k: int, margin: float):
+    """One bf16 matrix product per chunk, rows by queries (~1.7x faster here than queries by rows), of which only
+    each group of ``_GROUP`` rows' maximum is kept: a top-K per chunk costs twice the product. The K-th best group
+    maximum is a score that K distinct rows reach, so only groups whose maximum is within ``margin`` of it can hold
+    a true top-K row; their rows are scored again (the same bf16 rounding) and those within the margin returned."""
+    n, d = E.shape
+    nq, G = len(qb), _GROUP
+    groups = -(-n // G)
+    if groups < k:   # fewer groups than results: every row is a candidate
+        return torch.arange(nq).repeat_interleave(n), torch.arange(n).repeat(nq)
+    stored = E.dtype == torch.bfloat16
+    gmax = torch.empty(groups, nq, dtype=torch.bfloat16)
+    qT = qb.T.contiguous()
+    step = max(G, (_BF16_ROWS_CHUNK if stored else _BF16_CHUNK) // G * G)   # whole groups per chunk
+    if not stored:   # float16 -> float32 -> bfloat16 in reused buffers (float16 -> bfloat16 directly: 2x slower)
+        f32 = torch.empty(min(step, n), d)
+        b16 = torch.empty(min(step, n), d, dtype=torch.bfloat16)
+    for start in range(0, n, step):
+        c = min(step, n - start)
+        chunk = E[start:start + c] if stored else b16[:c].copy_(f32[:c].copy_(E[start:start + c]))
+        s = chunk @ qT   # (c, Q)
+        g0, full = start // G, c // G
+        torch.amax(s[:full * G].view(full, G, nq), 1, out=gmax[g0:g0 + full])
+        if full * G < c:   # the last, partial group
+            gmax[g0 + full] = s[full * G:].amax(0)
+    floor = torch.topk(gmax, k, dim=0).values[-1].float() - margin   # (Q,)
+    g, qi = torch.nonzero(gmax >= floor, as_tuple=True)
+    rows = (g[:, None] * G + torch.arange(G)).clamp_(max=n - 1)   # (P, G); a clamped duplicate is harmless
+    chunk = E[rows.flatten()].view(len(g), G, d)
+    if not stored:
+        chunk = chunk.float().bfloat16()
+    a = torch.bmm(chunk, qb[qi][:, :, None]).squeeze(-1)   # (P, G)
+    keep = a >= floor[qi][:, None]
+    return qi[:, None].expand(-1, G)[keep], rows[keep]
 
 
 def _rescore(embeddings: np.ndarray, queries: np.ndarray, cq: np.ndarray, ci: np.ndarray, k: int
