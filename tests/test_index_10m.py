@@ -113,3 +113,22 @@ def test_faiss_auto_keeps_to_the_memory_budget(monkeypatch):
     monkeypatch.setattr("clip_mini.retrieval.build.available_memory", lambda: 2 * hnsw - 2)
     assert faiss_kind("auto", None, n, dim) == "ivfpq"
     assert faiss_kind("hnsw", None, n, dim, memory_budget=1) == "hnsw"   # an explicit kind is the user's call
+
+
+def test_reranked_ties_go_by_row_id_and_short_candidate_lists_are_padded():
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((8, D)).astype(np.float32)
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    rows = np.repeat(base, 5, axis=0).astype(np.float16)   # every row five times: five-way exact ties
+    index = faiss.IndexIVFFlat(faiss.IndexFlatIP(D), D, 8, faiss.METRIC_INNER_PRODUCT)
+    index.train(np.asarray(rows, np.float32))
+    index.add(np.asarray(rows, np.float32))
+    index.nprobe = 1   # one list: fewer candidates than RERANK * k, so faiss pads with -1
+    q = np.asarray(rows[::5][:, :], np.float32)[np.arange(37) % 8]   # 37 queries: more than one rerank block
+    scores, ids = S.faiss_search(index, q, 10, rerank=rows)
+    for qi, (s, i) in enumerate(zip(scores, ids)):
+        found = i[i >= 0]
+        assert len(found) >= 5 and np.all(np.isneginf(s[i < 0]))   # padding: id -1 with score -inf, at the end
+        assert np.all(np.diff(s[i >= 0]) <= 0)
+        own = (qi % 8) * 5
+        assert list(found[:5]) == list(range(own, own + 5))   # the five equal rows, in row-id order

@@ -49,6 +49,7 @@ HNSW_M = 32   # graph neighbours per row (two levels' worth of int32 links, ~2 *
 # at 1M (near neighbours' scores crowd together as an index grows, finer than 8-bit PQ codes resolve); 50 costs
 # ~1 ms more a query (500 rows read from the memory map) and holds recall (benchmarks/results/index_10m.json)
 RERANK = 50
+_RERANK_BLOCK = 16   # queries re-ranked together (16 x 500 candidates x 256 float32: 8 MB)
 
 
 def ivf_lists(n: int) -> int:
@@ -342,14 +343,21 @@ def faiss_search(index, queries: np.ndarray, k: int = 10, dim: int | None = None
         scores, ids = index.search(queries, k)
         return _sort_topk(scores.astype(np.float32), ids.astype(np.int64))
     _, cand = index.search(queries, min(RERANK * k, index.ntotal))
-    best_s = np.full((len(queries), k), -np.inf, np.float32)
-    best_i = np.full((len(queries), k), -1, np.int64)
-    for q, c in enumerate(cand):
-        c = np.unique(c[c >= 0])   # sorted row ids: the memory map is read front to back
-        s = np.asarray(rerank[c], dtype=np.float32) @ queries[q]
-        top = np.argsort(-s, kind="stable")[:k]
-        best_s[q, :len(top)], best_i[q, :len(top)] = s[top], c[top]
-    return _sort_topk(best_s, best_i)
+    cand = np.sort(cand.astype(np.int64), axis=1)   # per query, row ids in order: the memory map is read forwards
+    best_s = np.empty((len(queries), k), np.float32)
+    best_i = np.empty((len(queries), k), np.int64)
+    for b in range(0, len(queries), _RERANK_BLOCK):   # whole blocks of queries at once: no per-query Python
+        c = cand[b:b + _RERANK_BLOCK]
+        missing = c < 0   # fewer candidates than asked (a small index or short lists): faiss pads with -1
+        rows = np.asarray(rerank[np.where(missing, 0, c).ravel()], dtype=np.float32).reshape(*c.shape, -1)
+        # elementwise product summed along d: every row's sum runs in the same order, so equal rows get equal
+        # scores (a BLAS product may round rows differently by where they fall in its blocks): ties go by row id
+        s = (rows * queries[b:b + _RERANK_BLOCK, None, :]).sum(-1)
+        s[missing] = -np.inf
+        order = np.lexsort((c, -s), axis=-1)[:, :k]
+        best_s[b:b + len(c)] = np.take_along_axis(s, order, 1)
+        best_i[b:b + len(c)] = np.where(np.isneginf(best_s[b:b + len(c)]), -1, np.take_along_axis(c, order, 1))
+    return best_s, best_i
 
 
 def save_faiss(index, path: str | Path) -> None:
