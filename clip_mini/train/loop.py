@@ -22,6 +22,7 @@ from clip_mini.devices import loader_workers
 from clip_mini.loss import ClipLoss, SigLipLoss
 from clip_mini.text import report_truncation
 from clip_mini.train import checkpoint as ckpt_io
+from clip_mini.train import text_cache
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
                                    warn_config_changes)
@@ -108,6 +109,10 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     else:
         inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer,
                                     model.cfg.text.max_length, info.rank, info.world_size, cache)
+    if text_cache.wanted(cfg):   # a locked text tower: its rows once per distinct caption, not every step
+        with clock("text_pass"):
+            inputs.collate = text_cache.TextRowCollate(inputs.collate, *text_cache.text_tower_rows(
+                model, splits["train"]["caption"].tolist(), t.eval_batch_size * 4, device, t.precision, main))
     steps_per_epoch = all_min(inputs.steps_per_epoch, device)
     global_batch = t.batch_size * t.accum_freq * info.world_size
     if steps_per_epoch == 0:

@@ -1,0 +1,64 @@
+"""A locked text tower is run once per distinct caption (clip_mini.train.text_cache): training on the stored rows
+is the same computation as running the tower at every step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clip_mini.config import ModelConfig, TextConfig, VisionConfig
+from clip_mini.model import CLIPModel
+from clip_mini.train import text_cache
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=1, heads=2),
+                      text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, dropout=0.1, trainable=False))
+    from clip_mini.text import build_tokenizer
+
+    caps = ["a red circle", "a big blue square on the left", "a green triangle", "a red circle"]
+    tok = build_tokenizer(TextConfig(vocab_size=60), caps)
+    return CLIPModel(cfg, vocab_size=len(tok), pad_token_id=tok.pad_token_id, tokenizer=tok), caps
+
+
+def test_rows_are_the_eval_mode_tower_output_per_distinct_caption():
+    model, caps = _model()
+    model.train()   # dropout on: the rows must still be the eval-mode output, and training mode restored
+    index, rows = text_cache.text_tower_rows(model, caps, 2, torch.device("cpu"), "fp32", progress=False)
+    assert len(index) == 3 and rows.shape == (3, model.text.width) and model.text.training
+    model.eval()
+    tok = model.tokenize(caps)
+    with torch.no_grad():
+        want = model.text(tok["input_ids"], tok["attention_mask"])
+    got = rows[[index[c] for c in caps]]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_training_on_stored_rows_equals_running_the_tower(tmp_path, monkeypatch):
+    from clip_mini.config import load_config
+    from clip_mini.data import generate
+    from clip_mini.train import train
+
+    shapes = generate(tmp_path / "shapes", n=48, seed=0, size=32)
+
+    def run(name):
+        cfg = load_config(None, [
+            "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
+            "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
+            "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
+            "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
+            "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1",
+            "train.precision=fp32", f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / name}"])
+        result = train(cfg)
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return result, [r["loss"] for r in rows if r["kind"] == "step"]
+
+    cached, cached_losses = run("cached")
+    assert "text_pass_s" in cached["time_breakdown"]
+    monkeypatch.setattr(text_cache, "wanted", lambda cfg: False)
+    plain, plain_losses = run("plain")
+    assert "text_pass_s" not in plain["time_breakdown"]
+    assert len(cached_losses) == len(plain_losses) >= 8
+    assert cached_losses == pytest.approx(plain_losses, abs=1e-5)
