@@ -48,6 +48,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -299,7 +300,9 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
     log.unlink(missing_ok=True)
     sets = v.overrides + common + [f"train.out_dir={run}"]
     cfg = load_config(v.config, sets)
-    p1, p2 = cfg.train.log_every, 3 * cfg.train.log_every
+    # 5 logged windows: one window's pairs/s swung 95-490 early in a run (worker start, page cache); the median of
+    # the resumed piece's windows after its first is what a long run settles at
+    p1, p2 = cfg.train.log_every, 5 * cfg.train.log_every
     if not epochs and cfg.train.warmup_steps < p2:
         raise BudgetError(f"{v.name}: train.warmup_steps={cfg.train.warmup_steps} < {p2} timed steps; the timed "
                           "steps must fall in the warmup (raise it, lower train.log_every, or pass --epochs)")
@@ -322,7 +325,8 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
         if not steps:
             raise BudgetError(f"{v.name}: the run ended before step {p2} (train.epochs x steps/epoch is smaller); "
                               f"pass --epochs (log: {log})")
-        step_s = first["batch"] / steps[-1]["pairs_per_s"]   # the last window: after the resume's warm-up
+        settled = [r["pairs_per_s"] for r in steps[1:]] or [steps[-1]["pairs_per_s"]]   # after the resume's warm-up
+        step_s = first["batch"] / statistics.median(settled)
         resume_setup = max(0.0, resumed_wall - (p2 - p1) * step_s)
         # 3. one test score of the paused model (each of the two at the end takes as long) and the per-epoch writes
         timed = time_reserve(run, out_root / f"{v.name}_probe_model")
