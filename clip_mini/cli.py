@@ -104,7 +104,7 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ix.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help=argparse.SUPPRESS)
     ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf", "ivfpq"],
                     help="store a faiss index too (auto, when faiss is installed: HNSW from 500k rows, IVF-PQ "
-                         "with exact re-ranking from 2M); its search parameter is tuned to --recall-target")
+                         "with exact re-ranking from 1M); its search parameter is tuned to --recall-target")
     ix.add_argument("--recall-target", type=float, default=None, metavar="R",
                     help="recall@10 against exact search that the stored faiss index is tuned to (default 0.95; "
                          "measured on text-like proxy queries, see clip_mini/retrieval/faiss_auto.py)")

@@ -101,7 +101,7 @@ def test_faiss_auto_keeps_to_the_memory_budget(monkeypatch):
     from clip_mini.retrieval.format import EmbeddingIndexError
 
     monkeypatch.setattr(S, "faiss_available", lambda: True)
-    n, dim = 1_000_000, 256
+    n, dim = 800_000, 256   # between FAISS_THRESHOLD and IVFPQ_THRESHOLD: HNSW if it fits
     hnsw, ivfpq = S.faiss_memory("hnsw", n, dim), S.faiss_memory("ivfpq", n, dim)
     assert ivfpq < hnsw / 10   # PQ codes: a few percent of the float32 rows HNSW keeps
     assert faiss_kind("auto", None, n, dim, memory_budget=hnsw) == "hnsw"
