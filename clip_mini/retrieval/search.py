@@ -320,8 +320,9 @@ def _ivfpq(faiss, embeddings: np.ndarray, seed: int):
 
     4-bit codes in faiss's fast-scan layout: a query's distance tables fit SIMD registers, so scanning a list
     costs a fraction of 8-bit PQ's table lookups at the same bytes a row. On text-like queries over 1M rows,
-    both re-ranked from the float16 rows: recall@10 0.954 at 0.45 ms a query (nprobe 64) against 0.962 at 1.12 ms
-    for 8-bit PQ, and 5 s to build against 31 s (benchmarks/results/ann_real.json).
+    re-ranked from the float16 rows: recall@10 0.954 at 0.43 ms a query (nprobe 64), built in 4.5 s
+    (benchmarks/results/ann_real.json; 8-bit PQ needed over 1 ms for 0.95). Past RAM, on tightly clustered rows,
+    the coarser codes leave more true neighbours outside the re-ranked candidates (index_10m.json).
     """
     n, dim = embeddings.shape
     if n < IVFPQ_MIN_ROWS:
