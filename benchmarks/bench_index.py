@@ -3,8 +3,8 @@
     python benchmarks/bench_index.py [--images ../shared/data/flickr8k/images] [--limit 2000] [--stub-files 100000]
 
 Models (``--configs``): the ``configs/tiny.yaml`` architecture (a 64 px tower: JPEG decoding is most of the work)
-and ``configs/flickr8k.yaml``'s (EfficientNet-Lite0 and DINOv2 concatenated: the forward is), both untrained (speed does not depend on the
-weights). Measured, each in a fresh process so peak RSS is per variant:
+and ``configs/flickr8k.yaml``'s (EfficientNet-Lite0 and DINOv2 concatenated: the forward is), both untrained
+(speed does not depend on the weights). Measured, each in a fresh process so peak RSS is per variant:
 
 * ``forward``: ``model.ImageForward`` (the pass indexing runs) on ready (B, 3, S, S) tensors, fp32 and bf16, median
   batch: the ceiling for indexing;
