@@ -124,7 +124,7 @@ def test_reranked_ties_go_by_row_id_and_short_candidate_lists_are_padded():
     index.train(np.asarray(rows, np.float32))
     index.add(np.asarray(rows, np.float32))
     index.nprobe = 1   # one list: fewer candidates than RERANK * k, so faiss pads with -1
-    q = np.asarray(rows[::5][:, :], np.float32)[np.arange(37) % 8]   # 37 queries: more than one rerank block
+    q = np.asarray(rows[::5], np.float32)[np.arange(37) % 8]   # 37 queries: more than one rerank block
     scores, ids = S.faiss_search(index, q, 10, rerank=rows)
     for qi, (s, i) in enumerate(zip(scores, ids)):
         found = i[i >= 0]

@@ -279,8 +279,8 @@ def faiss_kind(faiss: str, old: Optional[IndexReader], count: int, dim: int = 25
     """The faiss index to store for ``count`` rows of width ``dim``: the user's choice, or for "auto" the index's
     own kind, else none below ``search.FAISS_THRESHOLD`` rows, HNSW (fastest at a recall) while its float32 rows and
     graph fit ``memory_budget`` bytes (default: half the memory available now) and the rows are below
-    ``search.IVFPQ_THRESHOLD`` (past that IVF-PQ is faster at a recall and HNSW builds slowly), else IVF-PQ, whose codes are a few percent of the
-    rows (re-ranked exactly from the memory-mapped rows)."""
+    ``search.IVFPQ_THRESHOLD`` (past that IVF-PQ is faster at a recall and HNSW builds slowly), else IVF-PQ, whose
+    codes are a few percent of the rows (re-ranked exactly from the memory-mapped rows)."""
     from clip_mini.retrieval import search as S
 
     if faiss not in ("auto", "none", "hnsw", "ivf", "ivfpq"):

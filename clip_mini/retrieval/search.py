@@ -47,7 +47,7 @@ IVFPQ_THRESHOLD = 1_000_000
 IVFPQ_MIN_ROWS = 10_000   # k-means of the sqrt(N) lists, and PQ's centroids, need ~39 training rows each
 HNSW_M = 32   # graph neighbours per row (two levels' worth of int32 links, ~2 * M * 4 bytes a row)
 # IVF-PQ candidates per wanted result, re-scored exactly: 10 gave recall@10 0.92 at 300k clustered rows but 0.68
-# at 1M (near neighbours' scores crowd together as an index grows, finer than 8-bit PQ codes resolve); 50 costs
+# at 1M (near neighbours' scores crowd together as an index grows, finer than PQ codes resolve); 50 costs
 # ~1 ms more a query (500 rows read from the memory map) and holds recall (benchmarks/results/index_10m.json)
 RERANK = 50
 _RERANK_BLOCK = 16   # queries re-ranked together (16 x 500 candidates x 256 float32: 8 MB)
