@@ -33,6 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 from benchmarks.repo_paths import scrub_paths  # noqa: E402
 
@@ -174,7 +175,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     real = real_embeddings(args.model, Path(args.cache))
     gen, synth_stats, fitted = calibrate(real)
-    out: dict = {"model": args.model, "rows": args.rows, "queries": args.queries, "loadavg_start": os.getloadavg()[0],
+    out: dict = {"machine": machine_info(), "model": args.model, "rows": args.rows, "queries": args.queries, "loadavg_start": os.getloadavg()[0],
                  "real_stats": stats(real["image"], real["text"], real["text_image"]),
                  "generated_stats_at_real_size": synth_stats, "generator": {"clusters": 20, **fitted}}
     print(json.dumps(out), flush=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 from repo_paths import relative_to_repo  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 
@@ -89,7 +90,7 @@ def main() -> None:
         "benchmark": "data_pipeline",
         "settings": {"size": args.size, "mode": args.mode, "threads": 1, "limit": args.limit,
                      "repeats": args.repeats},
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version(),
                     "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},   # other jobs skew the rates
         "dev_160px": bench_folder(data / "captions.csv", args.size, args.mode, args.limit, args.repeats),

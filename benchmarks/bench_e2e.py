@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 FLICKR = ROOT.parent / "shared/data/flickr8k/captions.csv"
 
 
@@ -74,7 +75,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     from clip_mini.io import atomic_write_json
 
-    result = {"benchmark": "bench_e2e", "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0], "runs": {}}
+    result = {"machine": machine_info(), "benchmark": "bench_e2e", "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0], "runs": {}}
     with tempfile.TemporaryDirectory(prefix="clip_mini_e2e_") as tmp:
         for name in args.runs:
             if name == "demo":

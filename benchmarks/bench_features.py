@@ -27,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 TOWERS = {   # name -> VisionConfig overrides (the ViTs return [CLS ; patch mean]; arms slice it)
     "effnet224": dict(backbone="efficientnet_lite0", pretrained="efficientnet-lite0-pypi", image_size=224),
@@ -34,6 +35,10 @@ TOWERS = {   # name -> VisionConfig overrides (the ViTs return [CLS ; patch mean
     "effnet288": dict(backbone="efficientnet_lite0", pretrained="efficientnet-lite0-pypi", image_size=288),
     "effnet320": dict(backbone="efficientnet_lite0", pretrained="efficientnet-lite0-pypi", image_size=320),
     "dino224": dict(backbone="vit", pretrained="dinov2-small-imgfocus", image_size=224, patch_size=14, width=384,
+                    depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
+    "dino280": dict(backbone="vit", pretrained="dinov2-small-imgfocus", image_size=280, patch_size=14, width=384,
+                    depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
+    "dino336": dict(backbone="vit", pretrained="dinov2-small-imgfocus", image_size=336, patch_size=14, width=384,
                     depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
     "dino168": dict(backbone="vit", pretrained="dinov2-small-imgfocus", image_size=168, patch_size=14, width=384,
                     depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
@@ -214,7 +219,7 @@ def main(argv=None) -> dict:
         print(f"{arm:32s} dim {x.shape[1]:5d}  val t2i R@5 {best['t2i_r5']:.3f}  i2t R@5 {best['i2t_r5']:.3f}  "
               f"rsum {best['rsum']:.3f}", flush=True)
     out = {
-        "benchmark": "bench_features", "split": "val", "val_images": len(val_imgs), "train_images": len(train_imgs),
+        "machine": machine_info(), "benchmark": "bench_features", "split": "val", "val_images": len(val_imgs), "train_images": len(train_imgs),
         "protocol": "locked image tower (eval transform) and locked MiniLM-L6 mean-pooled text, features stored "
                     "once; MLP heads + temperature trained on them; best epoch by val rsum; mean over seeds",
         "epochs": args.epochs, "seeds": args.seeds, "config": os.path.relpath(args.config, ROOT), "arms": results,

@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.work.mkdir(parents=True, exist_ok=True)
     captions = args.work / "captions.csv"
     n = write_subset(CAPTIONS, args.images, captions)
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from machine import machine_info
+    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": args.threads, "torch": torch.__version__},
               "config": relative_to_repo(CONFIG), "captions": relative_to_repo(CAPTIONS),
               "subset": {"images": n, "val_images": args.val, "train_images": n - args.val,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 from repo_paths import relative_to_repo  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 FLICKR = ROOT.parent / "shared/data/flickr8k/images"
@@ -179,7 +180,7 @@ def main(argv=None) -> dict:
             folder, recorded = args.images, relative_to_repo(args.images)
         else:
             folder, recorded = _generated_jpegs(Path(tmp) / "jpegs", args.limit), "generated 160 px JPEGs"
-        result = {"images_folder": recorded, "loadavg_start": os.getloadavg()[0], "models": {}}
+        result = {"machine": machine_info(), "images_folder": recorded, "loadavg_start": os.getloadavg()[0], "models": {}}
         for config in args.configs:
             model_dir = Path(tmp) / Path(config).stem
             make_model(model_dir, config)

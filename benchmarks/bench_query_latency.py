@@ -26,6 +26,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 from benchmarks.bench_startup import make_index, make_model, wall  # noqa: E402
 from benchmarks.repo_paths import scrub_paths  # noqa: E402
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
         with Image.open(image) as im:
             size = im.size
         result = {
-            "model": model_name, "rows": args.rows, "loadavg_start": os.getloadavg()[0],
+            "machine": machine_info(), "model": model_name, "rows": args.rows, "loadavg_start": os.getloadavg()[0],
             "first_use_export_s": round(export_s, 2), "onnx_bytes": onnx_bytes,
             "query_image_size": list(size),
             "text_query": wall([cli, "search", "--index", str(index), *text], args.repeats),

@@ -24,6 +24,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 from repo_paths import relative_to_repo  # noqa: E402
 
 FLICKR = ROOT.parent / "shared/data/flickr8k/captions.csv"
@@ -63,7 +64,7 @@ def main() -> None:
     from clip_mini.retrieval.reader import IndexReader
     from clip_mini.retrieval.wds_source import index_shards
 
-    out = {"loadavg_start": os.getloadavg()[0], "cpus": os.cpu_count(), "batch_size": args.batch_size}
+    out = {"machine": machine_info(), "loadavg_start": os.getloadavg()[0], "cpus": os.cpu_count(), "batch_size": args.batch_size}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         shards, out["source"] = make_shards(tmp, args.images, args.limit)

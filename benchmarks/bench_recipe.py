@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 from repo_paths import ROOT, relative_to_repo, scrub_paths  # noqa: E402
 
 QUERIES = ["a dog running on the grass", "two children playing on the beach", "a man riding a bike down a hill"]
@@ -46,7 +47,7 @@ def main() -> dict:
     args = p.parse_args()
     exe = [sys.executable, "-m", "clip_mini"]
     photos = sorted(f for f in os.listdir(args.images) if f.lower().endswith((".jpg", ".jpeg", ".png")))[:args.limit]
-    result = {"benchmark": "recipe", "model": relative_to_repo(args.model), "images_folder": relative_to_repo(
+    result = {"machine": machine_info(), "benchmark": "recipe", "model": relative_to_repo(args.model), "images_folder": relative_to_repo(
         args.images), "photos": len(photos), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="clip_mini_recipe_") as tmp:
         folder, index = Path(tmp) / "photos", Path(tmp) / "photos-index"

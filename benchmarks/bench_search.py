@@ -167,7 +167,8 @@ def main(argv=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
+    from machine import machine_info
+    result = {"machine": {**machine_info(), "cpus": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
                           "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                           "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
                           "loadavg_start": os.getloadavg()[0]}, "sizes": []}

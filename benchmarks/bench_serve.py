@@ -30,6 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_startup import make_index, make_model  # noqa: E402
@@ -165,7 +166,7 @@ def main(argv=None) -> dict:
            "points": points,
            "zero_failures_at_32_clients": all(pt["failures"] == 0 for pt in points if pt["clients"] == 32)
            if any(pt["clients"] == 32 for pt in points) else None,
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "machine": {**machine_info(), "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
            "loadavg_before": [round(x, 2) for x in load_before],
            "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 
 def make_model(out: Path) -> Path:
@@ -85,7 +86,7 @@ def main(argv=None) -> dict:
         model_dir = make_model(tmp / "model")
         index = make_index(tmp / "index", model_dir, args.rows, image)
         result = {
-            "rows": args.rows, "loadavg_start": os.getloadavg()[0],
+            "machine": machine_info(), "rows": args.rows, "loadavg_start": os.getloadavg()[0],
             "text_query": wall([cli, "search", "--index", str(index), "a dog running on grass"], args.repeats),
             "text_query_json_k100": wall([cli, "search", "--index", str(index), "a dog running on grass", "-k",
                                           "100", "--json"], args.repeats),

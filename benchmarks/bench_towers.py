@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     from clip_mini.io import atomic_write_json
 
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from machine import machine_info
+    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "load_average_1min_at_start": os.getloadavg()[0]},
               "towers": {}}

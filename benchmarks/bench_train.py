@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from machine import machine_info
+    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           # other processes competing for the cores make every number here smaller
                           "load_average_1min_at_start": os.getloadavg()[0]},

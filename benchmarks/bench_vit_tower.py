@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     from clip_mini.io import atomic_write_json
     from clip_mini.vision import ImageEncoder
 
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from machine import machine_info
+    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "load_average_1min_at_start": os.getloadavg()[0]},
               "tower": "DINOv2 ViT-S/14 (timm VisionTransformer, LayerScale), CLS pooling",

@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 QUERY = "a large red circle on the left"
 VARIANTS = {
@@ -118,7 +119,7 @@ def _write(path: str, results: list) -> dict:
         earlier = [r for r in json.loads(Path(path).read_text()).get("results", []) if r["variant"] not in mine]
         results = earlier + results
     report = {"benchmark": "demo_pooling", "config": "configs/tiny.yaml", "data": "data/shapes (10,000 images)",
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+              "machine": {**machine_info(), "cpus": os.cpu_count(), "platform": platform.platform(),
                           "load_avg_1m_end": os.getloadavg()[0]},
               "results": results}
     report = scrub_paths(report)

@@ -21,6 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 BUILDS = {   # name -> timm kwargs
     "timm_defaults (old tower)": {},
@@ -81,7 +82,7 @@ def main() -> None:
         ref = reference()
         ref_logits = ref(pixels) if ref is not None else None
     top1 = {name: out.argmax(1) for name, out in logits.items()}
-    result = {"images": relative_to_repo(args.images), "n_images": len(files), "image_size": args.size,
+    result = {"machine": machine_info(), "images": relative_to_repo(args.images), "n_images": len(files), "image_size": args.size,
               "preprocess": {"mean": list(pre.mean), "std": list(pre.std), "resize_mode": pre.resize_mode},
               "builds": {}}
     for name, out in logits.items():

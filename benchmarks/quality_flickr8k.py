@@ -59,6 +59,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 REFERENCE = ROOT / "configs/flickr8k.yaml"   # the split of every variant comes from here
 SPLIT_KEYS = ("val", "test", "seed", "val_list", "test_list")
 VIT = ["model.vision.backbone=vit", "model.vision.pretrained=null", "model.vision.trainable=true",
@@ -73,6 +74,7 @@ BUILTIN = {
     "e": VIT + ["model.text.trainable=false"],
     "f": VIT + ["model.text.trainable=false", "train.lr_image=2e-3"],
     "g": VIT + ["model.text.trainable=false", "train.batch_size=64"],
+    "h": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5"],   # FLIP: half the patches a step
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
@@ -489,7 +491,7 @@ def main(argv=None) -> None:
                           "clip_mini.evaluate.retrieval_metrics); val numbers are the trainer's at that epoch",
               "budget_min": args.budget_min, "budget_counts": "everything: timed pieces, set-up, feature passes, "
               "evaluations, the test scores of best and final", "limit_images": args.limit_images or None,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "results": results}
+              "machine": {**machine_info(), "cpus": os.cpu_count(), "platform": platform.platform()}, "results": results}
     from clip_mini.io import atomic_write_json
     from repo_paths import scrub_paths
 

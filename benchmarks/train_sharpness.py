@@ -23,6 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 
 def resize(img: np.ndarray, side: int) -> np.ndarray:
@@ -65,7 +66,7 @@ def main() -> None:
         bw, bh = min(1.0, math.sqrt(area * ratio)), min(1.0, math.sqrt(area / ratio))
         boxes.append((rng.uniform(0, 1 - bw), rng.uniform(0, 1 - bh), bw, bh))
     ideal = [resize(crop(img, box), s) for img, box in zip(images, boxes)]
-    result = {"images": relative_to_repo(args.images), "n_images": len(images), "size": s, "scale_min": args.scale_min,
+    result = {"machine": machine_info(), "images": relative_to_repo(args.images), "n_images": len(images), "size": s, "scale_min": args.scale_min,
               "eval_neighbour_difference": float(np.mean([neighbour_difference(resize(img, s)) for img in images])),
               "ideal_neighbour_difference": float(np.mean([neighbour_difference(x) for x in ideal])),
               "current_base": train_base_size(s, args.scale_min), "bases": {}}

