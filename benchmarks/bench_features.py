@@ -46,7 +46,8 @@ TOWERS = {   # name -> VisionConfig overrides (the ViTs return [CLS ; patch mean
 
 
 def feature(name: str, feats: dict[str, np.ndarray]) -> np.ndarray:
-    """An arm's image features: towers joined by '+'; dino*_cls / _mean / _cls_mean slice the [CLS ; mean] output.
+    """An arm's image features: towers joined by '+'; dino*_cls / _mean / _cls_mean slice the [CLS ; mean] output,
+    _cls4 is the class token of the last 4 blocks and _cls4_mean adds the patch mean (DINOv2's linear probe).
 
     A ``raw:`` prefix concatenates the towers' features as they come (what ``model.vision.concat`` does); without
     it each tower's features are first scaled to unit mean norm."""
@@ -57,7 +58,10 @@ def feature(name: str, feats: dict[str, np.ndarray]) -> np.ndarray:
         if part.startswith("dino"):
             tower, _, pool = part.partition("_")
             x = feats[tower]
-            parts.append({"cls": x[:, :384], "mean": x[:, 384:], "cls_mean": x}[pool or "cls"])
+            # stored: [CLS ; patch mean ; CLS of blocks L-3, L-2, L-1] (the last three only in newer caches)
+            cls4 = np.concatenate([x[:, 768:], x[:, :384]], axis=1)
+            parts.append({"cls": x[:, :384], "mean": x[:, 384:768], "cls_mean": x[:, :768], "cls4": cls4,
+                          "cls4_mean": np.concatenate([cls4, x[:, 384:768]], axis=1)}[pool or "cls"])
         else:
             parts.append(feats[part])
     # each tower's features scaled to unit mean norm, so no tower dominates the joint input by its scale alone
@@ -81,11 +85,18 @@ def tower_features(tower: str, paths: list[str], cache: Path, threads: int) -> n
     enc.load_pretrained(enc.cfg.pretrained)
     fast = inference_tower(enc.eval(), "bf16")
     transform = build_eval_transform(enc.preprocess)
+    # ViTs also keep the class token of blocks L-3..L-1, through the final norm: with the last block's [CLS ; mean]
+    # that is DINOv2's linear-evaluation input (the last 4 class tokens and the patch mean)
+    earlier: list[torch.Tensor] = []
+    if enc.cfg.backbone == "vit":
+        for block in fast.trunk.blocks[-4:-1]:
+            block.register_forward_hook(lambda m, i, o: earlier.append(fast.trunk.norm(o[:, 0])))
     feats, t0 = [], time.perf_counter()
     with torch.inference_mode():
         for i in tqdm(range(0, len(paths), 64), desc=tower, unit="batch"):
             x = torch.stack([transform(load_image(p)) for p in paths[i:i + 64]])
-            feats.append(fast(tower_input(fast, x)).float().numpy())
+            earlier.clear()
+            feats.append(torch.cat([fast(tower_input(fast, x))] + earlier, dim=1).float().numpy())
     feats = np.concatenate(feats)
     print(f"{tower}: {len(paths) / (time.perf_counter() - t0):.1f} images/s (decode included)")
     np.save(out, feats)

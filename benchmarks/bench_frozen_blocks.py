@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from machine import machine_info  # noqa: E402
 CONFIG = ROOT / "configs/flickr8k-vit.yaml"
 CAPTIONS = ROOT / "../shared/data/flickr8k/captions.csv"
 FULL = {"train_images": 5591, "val_images": 500, "batch": 128, "budget_s": 1800}
@@ -153,7 +154,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.work.mkdir(parents=True, exist_ok=True)
     captions = args.work / "captions.csv"
     n = write_subset(CAPTIONS, args.images, captions)
-    from machine import machine_info
     result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": args.threads, "torch": torch.__version__},
               "config": relative_to_repo(CONFIG), "captions": relative_to_repo(CAPTIONS),

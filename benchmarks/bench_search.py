@@ -32,6 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 from clip_mini.retrieval.rows import BF16Rows, encode  # noqa: E402
 from clip_mini.search import build_faiss, exact_search, faiss_available, faiss_search  # noqa: E402
@@ -167,7 +168,6 @@ def main(argv=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from machine import machine_info
     result = {"machine": {**machine_info(), "cpus": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
                           "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                           "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),

@@ -33,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from machine import machine_info  # noqa: E402
 
 
 def _encoder(name: str):
@@ -59,7 +60,7 @@ def _encoder(name: str):
 def bench_tower(name: str, batch: int, rounds: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bench_train import matmul_peak
+    from machine import matmul_peak
     from clip_mini.vision import inference_tower, tower_input
 
     encoder, label = _encoder(name)
@@ -118,7 +119,6 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     from clip_mini.io import atomic_write_json
 
-    from machine import machine_info
     result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "load_average_1min_at_start": os.getloadavg()[0]},

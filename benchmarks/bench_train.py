@@ -43,19 +43,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info, matmul_peak  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 FLICKR8K = ROOT.parent / "shared/data/flickr8k/captions.csv"
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 0.5) -> float:
-    """GFLOP/s of a square matmul on this machine (fastest of the repeats within ``seconds``)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
-    best, start = math.inf, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
 
 
 # -- the peer: clip_mini vs open_clip at open_clip's tiny-CLIP size, model-only -------------------------------
@@ -327,7 +316,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    from machine import machine_info
     result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           # other processes competing for the cores make every number here smaller

@@ -23,6 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
 
 def throughput(encoder, size: int, precision: str, batch: int, batches: int) -> dict:
@@ -55,7 +56,6 @@ def main(argv: list[str] | None = None) -> dict:
     from clip_mini.io import atomic_write_json
     from clip_mini.vision import ImageEncoder
 
-    from machine import machine_info
     result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "load_average_1min_at_start": os.getloadavg()[0]},

@@ -96,10 +96,10 @@ class Variant:
 
 
 def machine_gflops() -> float:
-    """This machine's fp32 matmul speed right now, 2 threads (``bench_train.matmul_peak``), in GFLOP/s."""
+    """This machine's fp32 matmul speed right now, 2 threads (``machine.matmul_peak``), in GFLOP/s."""
     import torch
 
-    from bench_train import matmul_peak
+    from machine import matmul_peak
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
