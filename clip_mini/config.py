@@ -40,8 +40,9 @@ class VisionConfig:
     #                                    "dinov2-small-imgfocus" (ViT-S/14: patch 14, width 384, depth 12, heads 6)
     trainable: bool = True
     init_values: Optional[float] = None   # ViT LayerScale initial value; None: no LayerScale (DINOv2 needs it)
-    # "cls": the CLS state (D); "cls_mean": [CLS ; mean of the patch tokens] (2D), DINOv2's linear-probe recipe
-    pooling: Literal["cls", "cls_mean"] = "cls"
+    # "cls": the CLS state (D); "cls_mean": [CLS ; mean of the patch tokens] (2D); "cls4_mean": the CLS states of the
+    # last 4 blocks (each through the final norm) and the patch mean (5D), DINOv2's linear-evaluation features
+    pooling: Literal["cls", "cls_mean", "cls4_mean"] = "cls"
     # ViT only: train just the last k blocks (with train.lr_image), the rest of the tower locked (final norm
     # included); 0 = fully locked, as trainable: false. None: the whole tower follows `trainable`. With
     # train.frozen_features the locked prefix's token states are precomputed (clip_mini/train/frozen.py).
@@ -53,7 +54,7 @@ class VisionConfig:
     # with the features joined as they come, as here (features_loss.json); the 30-minute recipe in configs/flickr8k.yaml.
     concat: Optional[str] = None
     concat_size: int = 224
-    concat_pooling: Literal["cls", "cls_mean"] = "cls"   # the second tower's output, as `pooling` for a ViT
+    concat_pooling: Literal["cls", "cls_mean", "cls4_mean"] = "cls"   # the second tower's output, as `pooling` for a ViT
 
 
 @dataclass
@@ -224,6 +225,12 @@ def _check_ranges(cfg: Config) -> None:
         if v.trainable_blocks is not None and not 0 <= v.trainable_blocks <= v.depth:
             raise ConfigError(f"model.vision.trainable_blocks must be in [0, model.vision.depth={v.depth}], "
                               f"got {v.trainable_blocks!r}")
+        if v.pooling == "cls4_mean" and v.depth < 4:
+            raise ConfigError(f"model.vision.pooling=cls4_mean reads the last 4 blocks: model.vision.depth is {v.depth}")
+        if v.pooling == "cls4_mean" and v.trainable_blocks is not None and v.trainable_blocks < 4:
+            raise ConfigError("model.vision.pooling=cls4_mean reads the class token of the last 4 blocks, so "
+                              f"model.vision.trainable_blocks={v.trainable_blocks} would store it away with the "
+                              "locked prefix: use trainable_blocks >= 4, or null (with trainable: false to lock it)")
         if v.trainable_blocks and not v.trainable:
             raise ConfigError(f"model.vision.trainable_blocks={v.trainable_blocks} trains the last blocks of a tower "
                               "that model.vision.trainable=false locks; set model.vision.trainable=true")

@@ -3,7 +3,8 @@
 The ViT is timm's ``VisionTransformer`` with ``global_pool='token'`` and ``num_classes=0``: conv patch embedding,
 CLS token, learned positional embedding, pre-norm blocks, final LayerNorm; its output is the CLS state (B, D).
 ``dynamic_img_size=True`` lets it run at other input sizes: timm resamples the patch part of the positional
-embedding and keeps the CLS position. ``pooling: cls_mean`` returns [CLS ; mean of the patch tokens] (B, 2D)
+embedding and keeps the CLS position. ``pooling: cls_mean`` returns [CLS ; mean of the patch tokens] (B, 2D),
+``cls4_mean`` the class tokens of the last 4 blocks and the patch mean (B, 5D)
 instead, DINOv2's linear-probe features. ``concat`` adds a second, locked tower (DINOv2 ViT-S/14) whose CLS state is
 appended to the first tower's features: it reads the same pixels, resized and re-normalised inside the forward.
 """
@@ -72,8 +73,10 @@ class ImageEncoder(nn.Module):
             tf_args = dict(bn_eps=1e-3, pad_type="same") if cfg.pretrained == EFFNET_PYPI else {}
             self.trunk = timm.create_model(cfg.backbone, pretrained=False, num_classes=0,
                                            drop_rate=cfg.dropout, drop_path_rate=cfg.drop_path, **tf_args)
-        # cls_mean: [CLS ; mean of patch tokens], both after the final norm (DINOv2's linear-probe features)
-        self.width = self.trunk.num_features * (2 if cfg.pooling == "cls_mean" else 1)
+        # cls_mean: [CLS ; mean of patch tokens], both after the final norm (DINOv2's linear-probe features);
+        # cls4_mean: the CLS of the last 4 blocks (each through the final norm) and the patch mean, DINOv2's linear
+        # evaluation (benchmarks/results/features_dino_layers.json: val rsum 2.889 vs 2.743 for cls_mean, locked)
+        self.width = self.trunk.num_features * {"cls": 1, "cls_mean": 2, "cls4_mean": 5}[cfg.pooling]
         data_cfg = timm.data.resolve_model_data_config(self.trunk)
         mean, std = tuple(data_cfg["mean"]), tuple(data_cfg["std"])
         if cfg.pretrained == EFFNET_PYPI:
@@ -110,7 +113,25 @@ class ImageEncoder(nn.Module):
             tokens = self.trunk.forward_features(pixels)                  # (B, prefix + N, D), final-normed
             patches = tokens[:, self.trunk.num_prefix_tokens:].mean(1)    # (B, D)
             return torch.cat([tokens[:, 0], patches], dim=-1)             # (B, 2D)
+        if self.cfg.pooling == "cls4_mean":
+            t = self.trunk
+            return self._blocks_and_pool(t.norm_pre(t.patch_drop(t._pos_embed(t.patch_embed(pixels)))), 0)
         return self.trunk(pixels)  # (B, D)
+
+    def _blocks_and_pool(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        """Blocks ``first`` .. L-1 on token states ``x``, the final norm, then ``cls4_mean`` pooling:
+        [CLS after block L-4 ; L-3 ; L-2 (each through the final norm) ; final CLS ; patch mean] (B, 5D)."""
+        t = self.trunk
+        depth = len(t.blocks)
+        if first > depth - 4:
+            raise ValueError(f"cls4_mean pooling needs the last 4 blocks run here, got blocks {first}..{depth - 1}")
+        earlier = []
+        for i in range(first, depth):
+            x = t.blocks[i](x)
+            if depth - 4 <= i < depth - 1:
+                earlier.append(t.norm(x[:, 0]))
+        x = t.norm(x)
+        return torch.cat(earlier + [x[:, 0], x[:, t.num_prefix_tokens:].mean(1)], dim=-1)
 
     def _pick_attention(self, x: torch.Tensor) -> None:
         """timm's fused attention or its plain one for this pass (``clip_mini.kernels``: CPU training runs faster
@@ -152,6 +173,8 @@ class ImageEncoder(nn.Module):
         # a bf16 store is widened to the weights' dtype: the pixel path's residual stream is fp32 under autocast
         x = tokens.to(t.pos_embed.dtype)
         self._pick_attention(x)
+        if self.cfg.pooling == "cls4_mean":
+            return self._blocks_and_pool(x, split)
         for block in t.blocks[split:]:
             x = block(x)
         x = t.norm(x)                                                 # (B, T, D)
@@ -250,7 +273,7 @@ class ImageEncoder(nn.Module):
 
 def concat_config(cfg: VisionConfig) -> VisionConfig:
     """The second tower of ``cfg.concat``: DINOv2 ViT-S/14 geometry, locked, pooled at its CLS token (or
-    ``concat_pooling: cls_mean``: [CLS ; patch mean])."""
+    ``concat_pooling: cls_mean``: [CLS ; patch mean]; ``cls4_mean``: the last 4 blocks' CLS and the patch mean)."""
     if cfg.concat != DINOV2_IMGFOCUS:
         raise WeightsError(f"model.vision.concat must be {DINOV2_IMGFOCUS}, got {cfg.concat!r}")
     return VisionConfig(backbone="vit", image_size=cfg.concat_size, init_values=1e-5, pretrained=DINOV2_IMGFOCUS,

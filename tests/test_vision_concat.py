@@ -131,3 +131,19 @@ def test_load_pretrained_fills_both_towers(tmp_path, monkeypatch):
     for name in ("cls_token", "blocks.11.mlp.fc2.weight", "norm.weight"):
         torch.testing.assert_close(own[name], dino[name])
     assert own["pos_embed"].shape == (1, 1 + 4, 384)   # resampled from 37 x 37 to the 2 x 2 grid
+
+
+def test_concat_pooling_cls4_mean_appends_dinov2s_linear_evaluation_features():
+    torch.manual_seed(0)
+    enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64, concat_pooling="cls4_mean",
+                                    **CONCAT)).eval()
+    pixels = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        out = enc(pixels)
+        small = F.interpolate(pixels, size=(28, 28), mode="bilinear", align_corners=False)
+        second = enc.concat(small * enc.concat_scale + enc.concat_shift)
+        tokens = enc.concat.trunk.forward_features(small * enc.concat_scale + enc.concat_shift)
+    assert enc.width == 1280 + 5 * 384 and out.shape == (2, enc.width)
+    torch.testing.assert_close(out[:, 1280:], second)
+    torch.testing.assert_close(out[:, 1280 + 3 * 384:1280 + 4 * 384], tokens[:, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[:, 1280 + 4 * 384:], tokens[:, 1:].mean(1), rtol=1e-4, atol=1e-4)

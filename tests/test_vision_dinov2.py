@@ -181,3 +181,46 @@ def test_frozen_features_store_cls_mean_rows(shapes, tmp_path):  # noqa: F811 (f
         direct = model.visual(torch.stack([transform(load_image(p)) for p in paths[:4]]))
         torch.testing.assert_close(rows[:4], direct, rtol=1e-4, atol=1e-5)
         assert model.project_image(rows[:4]).shape == (4, 32)   # the image head takes the 2D-wide rows
+
+
+def _cls4_reference(enc, pixels):
+    """DINOv2's linear-evaluation features computed independently: hooks on the last 4 blocks of timm's own
+    forward_features, each class token through the final norm, then the final patch mean."""
+    seen = []
+    hooks = [b.register_forward_hook(lambda m, i, o: seen.append(o[:, 0])) for b in enc.trunk.blocks[-4:]]
+    try:
+        tokens = enc.trunk.forward_features(pixels)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([enc.trunk.norm(c) for c in seen[:3]] + [tokens[:, 0], tokens[:, 1:].mean(1)], dim=-1)
+
+
+def test_cls4_mean_pooling_is_the_last_four_class_tokens_and_the_patch_mean():
+    torch.manual_seed(0)
+    enc = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=64, depth=5, heads=2, init_values=0.1,
+                                    pooling="cls4_mean")).eval()
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, ref = enc(pixels), _cls4_reference(enc, pixels)
+    assert enc.width == 5 * 64 and out.shape == (3, 5 * 64)
+    torch.testing.assert_close(out, ref)
+    # the four class tokens are different states, so the check is not one vector repeated
+    assert not torch.allclose(out[:, :64], out[:, 192:256])
+
+
+def test_cls4_mean_with_a_frozen_prefix_matches_the_whole_tower_and_needs_four_trainable_blocks():
+    torch.manual_seed(0)
+    enc = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=64, depth=6, heads=2, init_values=0.1,
+                                    pooling="cls4_mean", trainable_blocks=4)).eval()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(enc.forward_suffix(enc.forward_prefix(pixels)), enc(pixels), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="last 4 blocks"):
+            enc.forward_suffix(enc.forward_prefix(pixels, 2), 2)
+    with pytest.raises(ConfigError, match=r"model\.vision\.trainable_blocks=2"):
+        load_config(None, ["model.vision.pooling=cls4_mean", "model.vision.depth=6", "model.vision.trainable_blocks=2"])
+    with pytest.raises(ConfigError, match=r"model\.vision\.depth is 3"):
+        load_config(None, ["model.vision.pooling=cls4_mean", "model.vision.depth=3"])
+    with pytest.raises(ConfigError, match=r"pooling=cls4_mean needs model\.vision\.backbone=vit"):
+        load_config(None, ["model.vision.backbone=efficientnet_lite0", "model.vision.pooling=cls4_mean"])
