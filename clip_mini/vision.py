@@ -3,9 +3,9 @@
 The ViT is timm's ``VisionTransformer`` with ``global_pool='token'`` and ``num_classes=0``: conv patch embedding,
 CLS token, learned positional embedding, pre-norm blocks, final LayerNorm; its output is the CLS state (B, D).
 ``dynamic_img_size=True`` lets it run at other input sizes: timm resamples the patch part of the positional
-embedding and keeps the CLS position. ``pooling: cls_mean`` returns [CLS ; mean of the patch tokens] (B, 2D),
-``cls4_mean`` the class tokens of the last 4 blocks and the patch mean (B, 5D)
-instead, DINOv2's linear-probe features. ``concat`` adds a second, locked tower (DINOv2 ViT-S/14) whose CLS state is
+embedding and keeps the CLS position. ``pooling: cls_mean`` returns [CLS ; mean of the patch tokens] (B, 2D)
+instead, DINOv2's linear-probe features; ``cls4_mean`` the class tokens of the last 4 blocks and the patch mean
+(B, 5D), its linear-evaluation features. ``concat`` adds a second, locked tower (DINOv2 ViT-S/14) whose CLS state is
 appended to the first tower's features: it reads the same pixels, resized and re-normalised inside the forward.
 """
 from __future__ import annotations
