@@ -10,7 +10,9 @@ val split is the trainer's own (configs/flickr8k.yaml: 500 images, seed 0). This
 recipe (augmented views, a fine-tuned text tower) is then run by benchmarks/quality_flickr8k.py on the chosen
 ones. Features are kept in runs/bench_features/ so adding an arm costs only its own tower pass.
 
-Writes benchmarks/results/features.json.
+Writes benchmarks/results/features.json (``--out`` another file: features_pool.json, features_loss.json,
+features_dino_layers.json hold later screens). A ViT tower's cache also keeps the class tokens of its blocks L-3..L-1,
+so ``dino224_cls4_mean`` (DINOv2's linear-evaluation read-out) costs no extra pass.
 """
 from __future__ import annotations
 
