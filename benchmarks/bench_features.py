@@ -61,6 +61,8 @@ def feature(name: str, feats: dict[str, np.ndarray]) -> np.ndarray:
             tower, _, pool = part.partition("_")
             x = feats[tower]
             # stored: [CLS ; patch mean ; CLS of blocks L-3, L-2, L-1] (the last three only in newer caches)
+            if pool.startswith("cls4") and x.shape[1] != 5 * 384:
+                raise SystemExit(f"error: the cached {tower}.npy predates the cls4 read-out; delete it to recompute")
             cls4 = np.concatenate([x[:, 768:], x[:, :384]], axis=1)
             parts.append({"cls": x[:, :384], "mean": x[:, 384:768], "cls_mean": x[:, :768], "cls4": cls4,
                           "cls4_mean": np.concatenate([cls4, x[:, 384:768]], axis=1)}[pool or "cls"])
