@@ -39,18 +39,22 @@ def test_second_tower_sees_its_own_size_and_normalisation():
     assert not torch.allclose(other[0], other[1])   # the two images differ, so the check is not vacuous
 
 
-def test_concat_pooling_cls_mean_appends_class_token_and_patch_mean():
+@pytest.mark.parametrize("pooling, earlier", [("cls_mean", 0), ("cls4_mean", 3)])
+def test_concat_pooling_appends_class_tokens_and_patch_mean(pooling, earlier):
+    """cls_mean: [CLS ; patch mean]; cls4_mean: 3 earlier blocks' class tokens first (tests/test_vision_dinov2.py
+    checks those), then the same two."""
     torch.manual_seed(0)
-    enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64, concat_pooling="cls_mean",
+    enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64, concat_pooling=pooling,
                                     **CONCAT)).eval()
     pixels = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         out = enc(pixels)
         small = F.interpolate(pixels, size=(28, 28), mode="bilinear", align_corners=False)
         tokens = enc.concat.trunk.forward_features(small * enc.concat_scale + enc.concat_shift)
-    assert enc.width == 1280 + 2 * 384 and out.shape == (2, enc.width)
-    torch.testing.assert_close(out[:, 1280:1664], tokens[:, 0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[:, 1664:], tokens[:, 1:].mean(1), rtol=1e-4, atol=1e-4)
+    cls = 1280 + earlier * 384
+    assert enc.width == cls + 2 * 384 and out.shape == (2, enc.width)
+    torch.testing.assert_close(out[:, cls:cls + 384], tokens[:, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[:, cls + 384:], tokens[:, 1:].mean(1), rtol=1e-4, atol=1e-4)
 
 
 def test_config_errors_name_the_key():
@@ -132,18 +136,3 @@ def test_load_pretrained_fills_both_towers(tmp_path, monkeypatch):
         torch.testing.assert_close(own[name], dino[name])
     assert own["pos_embed"].shape == (1, 1 + 4, 384)   # resampled from 37 x 37 to the 2 x 2 grid
 
-
-def test_concat_pooling_cls4_mean_appends_dinov2s_linear_evaluation_features():
-    torch.manual_seed(0)
-    enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64, concat_pooling="cls4_mean",
-                                    **CONCAT)).eval()
-    pixels = torch.randn(2, 3, 64, 64)
-    with torch.no_grad():
-        out = enc(pixels)
-        small = F.interpolate(pixels, size=(28, 28), mode="bilinear", align_corners=False)
-        second = enc.concat(small * enc.concat_scale + enc.concat_shift)
-        tokens = enc.concat.trunk.forward_features(small * enc.concat_scale + enc.concat_shift)
-    assert enc.width == 1280 + 5 * 384 and out.shape == (2, enc.width)
-    torch.testing.assert_close(out[:, 1280:], second)
-    torch.testing.assert_close(out[:, 1280 + 3 * 384:1280 + 4 * 384], tokens[:, 0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[:, 1280 + 4 * 384:], tokens[:, 1:].mean(1), rtol=1e-4, atol=1e-4)
