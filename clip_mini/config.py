@@ -54,7 +54,7 @@ class VisionConfig:
     # with the features joined as they come, as here (features_loss.json); the 30-minute recipe in configs/flickr8k.yaml.
     concat: Optional[str] = None
     concat_size: int = 224
-    concat_pooling: Literal["cls", "cls_mean", "cls4_mean"] = "cls"   # the second tower's output, as `pooling` for a ViT
+    concat_pooling: Literal["cls", "cls_mean", "cls4_mean"] = "cls"   # the second tower's output, as `pooling`
 
 
 @dataclass
@@ -193,8 +193,8 @@ _POSITIVE = {
     "model.text.vocab_size", "model.embed_dim", "train.epochs", "train.batch_size", "train.accum_freq", "train.lr",
     "train.log_every", "train.keep_checkpoints", "train.max_bad_steps", "train.eval_batch_size",
 }
-_UNIT = {"model.vision.dropout", "model.vision.drop_path", "model.vision.patch_drop", "model.text.dropout", "model.head_dropout",
-         "data.color_jitter", "train.label_smoothing"}
+_UNIT = {"model.vision.dropout", "model.vision.drop_path", "model.vision.patch_drop", "model.text.dropout",
+         "model.head_dropout", "data.color_jitter", "train.label_smoothing"}
 
 
 def _check_ranges(cfg: Config) -> None:
@@ -226,7 +226,8 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"model.vision.trainable_blocks must be in [0, model.vision.depth={v.depth}], "
                               f"got {v.trainable_blocks!r}")
         if v.pooling == "cls4_mean" and v.depth < 4:
-            raise ConfigError(f"model.vision.pooling=cls4_mean reads the last 4 blocks: model.vision.depth is {v.depth}")
+            raise ConfigError(f"model.vision.pooling=cls4_mean reads the last 4 blocks: model.vision.depth is "
+                              f"{v.depth}")
         if v.pooling == "cls4_mean" and v.trainable_blocks is not None and v.trainable_blocks < 4:
             raise ConfigError("model.vision.pooling=cls4_mean reads the class token of the last 4 blocks, so "
                               f"model.vision.trainable_blocks={v.trainable_blocks} would store it away with the "
