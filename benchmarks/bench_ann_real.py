@@ -175,7 +175,8 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     real = real_embeddings(args.model, Path(args.cache))
     gen, synth_stats, fitted = calibrate(real)
-    out: dict = {"machine": machine_info(), "model": args.model, "rows": args.rows, "queries": args.queries, "loadavg_start": os.getloadavg()[0],
+    out: dict = {"machine": machine_info(), "model": args.model, "rows": args.rows, "queries": args.queries,
+                 "loadavg_start": os.getloadavg()[0],
                  "real_stats": stats(real["image"], real["text"], real["text_image"]),
                  "generated_stats_at_real_size": synth_stats, "generator": {"clusters": 20, **fitted}}
     print(json.dumps(out), flush=True)

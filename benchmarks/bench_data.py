@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -90,9 +88,7 @@ def main() -> None:
         "benchmark": "data_pipeline",
         "settings": {"size": args.size, "mode": args.mode, "threads": 1, "limit": args.limit,
                      "repeats": args.repeats},
-        "machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},   # other jobs skew the rates
+        "machine": machine_info(),   # its load average: other jobs skew the rates
         "dev_160px": bench_folder(data / "captions.csv", args.size, args.mode, args.limit, args.repeats),
     }
     if (data / "fullres/captions.csv").is_file():

@@ -75,7 +75,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     from clip_mini.io import atomic_write_json
 
-    result = {"machine": machine_info(), "benchmark": "bench_e2e", "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0], "runs": {}}
+    result = {"machine": machine_info(), "benchmark": "bench_e2e", "cpus": os.cpu_count(),
+              "loadavg_start": os.getloadavg()[0], "runs": {}}
     with tempfile.TemporaryDirectory(prefix="clip_mini_e2e_") as tmp:
         for name in args.runs:
             if name == "demo":

@@ -40,8 +40,6 @@ TOWERS = {   # name -> VisionConfig overrides (the ViTs return [CLS ; patch mean
                     depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
     "dino280": dict(backbone="vit", pretrained="dinov2-small-imgfocus", image_size=280, patch_size=14, width=384,
                     depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
-    "dino336": dict(backbone="vit", pretrained="dinov2-small-imgfocus", image_size=336, patch_size=14, width=384,
-                    depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
     "dino168": dict(backbone="vit", pretrained="dinov2-small-imgfocus", image_size=168, patch_size=14, width=384,
                     depth=12, heads=6, init_values=1e-5, pooling="cls_mean"),
 }
@@ -234,7 +232,8 @@ def main(argv=None) -> dict:
         print(f"{arm:32s} dim {x.shape[1]:5d}  val t2i R@5 {best['t2i_r5']:.3f}  i2t R@5 {best['i2t_r5']:.3f}  "
               f"rsum {best['rsum']:.3f}", flush=True)
     out = {
-        "machine": machine_info(), "benchmark": "bench_features", "split": "val", "val_images": len(val_imgs), "train_images": len(train_imgs),
+        "machine": machine_info(), "benchmark": "bench_features", "split": "val", "val_images": len(val_imgs),
+        "train_images": len(train_imgs),
         "protocol": "locked image tower (eval transform) and locked MiniLM-L6 mean-pooled text, features stored "
                     "once; MLP heads + temperature trained on them; best epoch by val rsum; mean over seeds",
         "epochs": args.epochs, "seeds": args.seeds, "config": os.path.relpath(args.config, ROOT), "arms": results,

@@ -20,13 +20,11 @@ import argparse
 import csv
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -154,8 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.work.mkdir(parents=True, exist_ok=True)
     captions = args.work / "captions.csv"
     n = write_subset(CAPTIONS, args.images, captions)
-    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "threads": args.threads, "torch": torch.__version__},
+    result = {"machine": {**machine_info(), "threads": args.threads},
               "config": relative_to_repo(CONFIG), "captions": relative_to_repo(CAPTIONS),
               "subset": {"images": n, "val_images": args.val, "train_images": n - args.val,
                          "note": "first images of the captions file, all their captions; written to /tmp"},

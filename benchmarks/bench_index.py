@@ -180,7 +180,8 @@ def main(argv=None) -> dict:
             folder, recorded = args.images, relative_to_repo(args.images)
         else:
             folder, recorded = _generated_jpegs(Path(tmp) / "jpegs", args.limit), "generated 160 px JPEGs"
-        result = {"machine": machine_info(), "images_folder": recorded, "loadavg_start": os.getloadavg()[0], "models": {}}
+        result = {"machine": machine_info(), "images_folder": recorded, "loadavg_start": os.getloadavg()[0],
+                  "models": {}}
         for config in args.configs:
             model_dir = Path(tmp) / Path(config).stem
             make_model(model_dir, config)

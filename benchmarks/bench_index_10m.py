@@ -155,7 +155,8 @@ def main() -> None:
     n, dim = ARGS.rows, ARGS.dim
     free = shutil.disk_usage(ARGS.dir).free
     need = n * dim * 2 * 1.15 + (256 << 20)   # the rows, the IVF-PQ file, headroom
-    out = {"machine": machine_info(), "rows_wanted": n, "dim": dim, "disk_free_gb": round(free / 1e9, 1), "budget_mb": BUDGET_MB,
+    out = {"machine": machine_info(), "rows_wanted": n, "dim": dim, "disk_free_gb": round(free / 1e9, 1),
+           "budget_mb": BUDGET_MB,
            "cpus": os.cpu_count(), "faiss_threads": ARGS.threads, "loadavg_start": os.getloadavg()[0]}
     if need > free * 0.8:
         n = int((free * 0.8 - (256 << 20)) / (dim * 2 * 1.15))

@@ -64,7 +64,8 @@ def main() -> None:
     from clip_mini.retrieval.reader import IndexReader
     from clip_mini.retrieval.wds_source import index_shards
 
-    out = {"machine": machine_info(), "loadavg_start": os.getloadavg()[0], "cpus": os.cpu_count(), "batch_size": args.batch_size}
+    out = {"machine": machine_info(), "loadavg_start": os.getloadavg()[0], "cpus": os.cpu_count(),
+           "batch_size": args.batch_size}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         shards, out["source"] = make_shards(tmp, args.images, args.limit)

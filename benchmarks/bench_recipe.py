@@ -47,8 +47,9 @@ def main() -> dict:
     args = p.parse_args()
     exe = [sys.executable, "-m", "clip_mini"]
     photos = sorted(f for f in os.listdir(args.images) if f.lower().endswith((".jpg", ".jpeg", ".png")))[:args.limit]
-    result = {"machine": machine_info(), "benchmark": "recipe", "model": relative_to_repo(args.model), "images_folder": relative_to_repo(
-        args.images), "photos": len(photos), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
+    result = {"machine": machine_info(), "benchmark": "recipe", "model": relative_to_repo(args.model),
+              "images_folder": relative_to_repo(args.images), "photos": len(photos), "cpus": os.cpu_count(),
+              "loadavg_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="clip_mini_recipe_") as tmp:
         folder, index = Path(tmp) / "photos", Path(tmp) / "photos-index"
         folder.mkdir()

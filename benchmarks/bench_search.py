@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -168,10 +167,8 @@ def main(argv=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = {"machine": {**machine_info(), "cpus": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
-                          "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                          "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
-                          "loadavg_start": os.getloadavg()[0]}, "sizes": []}
+    result = {"machine": {**machine_info(), "numpy": np.__version__,
+                          "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS")}, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:
         for n in args.sizes:
             t = time.perf_counter()

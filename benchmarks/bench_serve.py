@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -166,7 +165,7 @@ def main(argv=None) -> dict:
            "points": points,
            "zero_failures_at_32_clients": all(pt["failures"] == 0 for pt in points if pt["clients"] == 32)
            if any(pt["clients"] == 32 for pt in points) else None,
-           "machine": {**machine_info(), "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "machine": machine_info(),
            "loadavg_before": [round(x, 2) for x in load_before],
            "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from machine import machine_info  # noqa: E402
+from machine import machine_info, matmul_peak  # noqa: E402
 
 
 def _encoder(name: str):
@@ -60,7 +59,6 @@ def _encoder(name: str):
 def bench_tower(name: str, batch: int, rounds: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from machine import matmul_peak
     from clip_mini.vision import inference_tower, tower_input
 
     encoder, label = _encoder(name)
@@ -119,9 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     from clip_mini.io import atomic_write_json
 
-    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "threads": torch.get_num_threads(), "torch": torch.__version__,
-                          "load_average_1min_at_start": os.getloadavg()[0]},
+    result = {"machine": machine_info(),
               "towers": {}}
     for name in args.towers:
         r = bench_tower(name, args.batch, args.rounds)

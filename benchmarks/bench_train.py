@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -316,10 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "threads": torch.get_num_threads(), "torch": torch.__version__,
-                          # other processes competing for the cores make every number here smaller
-                          "load_average_1min_at_start": os.getloadavg()[0]},
+    result = {"machine": machine_info(),   # its load average: other processes on the cores slow every number here
               "peer": {}, "configs": {}}
     if args.peer_batches and importlib.util.find_spec("open_clip") is None:
         result["peer"] = {"skipped": "open_clip_torch is not installed (pip install -e '.[bench]')"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -56,9 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     from clip_mini.io import atomic_write_json
     from clip_mini.vision import ImageEncoder
 
-    result = {"machine": {**machine_info(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "threads": torch.get_num_threads(), "torch": torch.__version__,
-                          "load_average_1min_at_start": os.getloadavg()[0]},
+    result = {"machine": machine_info(),
               "tower": "DINOv2 ViT-S/14 (timm VisionTransformer, LayerScale), CLS pooling",
               "fused_attention": use_fused_attn(), "batch": args.batch, "batches_timed": args.batches, "runs": []}
     for size in args.sizes:

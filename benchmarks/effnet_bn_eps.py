@@ -82,7 +82,8 @@ def main() -> None:
         ref = reference()
         ref_logits = ref(pixels) if ref is not None else None
     top1 = {name: out.argmax(1) for name, out in logits.items()}
-    result = {"machine": machine_info(), "images": relative_to_repo(args.images), "n_images": len(files), "image_size": args.size,
+    result = {"machine": machine_info(), "images": relative_to_repo(args.images), "n_images": len(files),
+              "image_size": args.size,
               "preprocess": {"mean": list(pre.mean), "std": list(pre.std), "resize_mode": pre.resize_mode},
               "builds": {}}
     for name, out in logits.items():

@@ -47,7 +47,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -491,7 +490,7 @@ def main(argv=None) -> None:
                           "clip_mini.evaluate.retrieval_metrics); val numbers are the trainer's at that epoch",
               "budget_min": args.budget_min, "budget_counts": "everything: timed pieces, set-up, feature passes, "
               "evaluations, the test scores of best and final", "limit_images": args.limit_images or None,
-              "machine": {**machine_info(), "cpus": os.cpu_count(), "platform": platform.platform()}, "results": results}
+              "machine": machine_info(), "results": results}
     from clip_mini.io import atomic_write_json
     from repo_paths import scrub_paths
 

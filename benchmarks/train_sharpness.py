@@ -66,7 +66,8 @@ def main() -> None:
         bw, bh = min(1.0, math.sqrt(area * ratio)), min(1.0, math.sqrt(area / ratio))
         boxes.append((rng.uniform(0, 1 - bw), rng.uniform(0, 1 - bh), bw, bh))
     ideal = [resize(crop(img, box), s) for img, box in zip(images, boxes)]
-    result = {"machine": machine_info(), "images": relative_to_repo(args.images), "n_images": len(images), "size": s, "scale_min": args.scale_min,
+    result = {"machine": machine_info(), "images": relative_to_repo(args.images), "n_images": len(images), "size": s,
+              "scale_min": args.scale_min,
               "eval_neighbour_difference": float(np.mean([neighbour_difference(resize(img, s)) for img in images])),
               "ideal_neighbour_difference": float(np.mean([neighbour_difference(x) for x in ideal])),
               "current_base": train_base_size(s, args.scale_min), "bases": {}}
