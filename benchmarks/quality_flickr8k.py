@@ -15,6 +15,9 @@ Variants:
   e         b with the MiniLM-L6 text tower locked (only the ViT and the heads train: no text backward pass)
   f         e with twice the ViT's learning rate (2e-3)
   g         e at batch 64 (twice the optimiser steps in the same pairs)
+  h         e with half of the patch tokens dropped in each training forward (FLIP; model.vision.patch_drop)
+  i         h at 128 px (8 x 8 patches, 32 of them kept a step)
+  j         h at batch 64
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
   d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
             features precomputed for 2 views)
@@ -74,6 +77,9 @@ BUILTIN = {
     "f": VIT + ["model.text.trainable=false", "train.lr_image=2e-3"],
     "g": VIT + ["model.text.trainable=false", "train.batch_size=64"],
     "h": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5"],   # FLIP: half the patches a step
+    "i": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5",
+                "model.vision.image_size=128"],   # h at 128 px: 64 patches, 32 of them a step
+    "j": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "train.batch_size=64"],   # h, batch 64
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
@@ -453,7 +459,7 @@ def main(argv=None) -> None:
     p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
                    help="wall-clock budget per variant, everything included")
     p.add_argument("--variants", default="a,b,c,d,openclip",
-                   help="comma list of a, b, c, d, e, f, g, openclip, NAME=CONFIG")
+                   help="comma list of a-j, openclip, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
