@@ -18,6 +18,7 @@ Variants:
   h         e with half of the patch tokens dropped in each training forward (FLIP; model.vision.patch_drop)
   i         h at 128 px (8 x 8 patches, 32 of them kept a step)
   j         h at batch 64
+  k         e at 160 px (10 x 10 patches) with three quarters of them dropped a step (25 kept)
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
   d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
             features precomputed for 2 views)
@@ -80,6 +81,8 @@ BUILTIN = {
     "i": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5",
                 "model.vision.image_size=128"],   # h at 128 px: 64 patches, 32 of them a step
     "j": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "train.batch_size=64"],   # h, batch 64
+    "k": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.75",
+                "model.vision.image_size=160"],   # 160 px (the photos' size): 100 patches, 25 of them a step
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
@@ -459,7 +462,7 @@ def main(argv=None) -> None:
     p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
                    help="wall-clock budget per variant, everything included")
     p.add_argument("--variants", default="a,b,c,d,openclip",
-                   help="comma list of a-j, openclip, NAME=CONFIG")
+                   help="comma list of a-k, openclip, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
