@@ -162,8 +162,8 @@ class TrainConfig:
     # > 0 with a locked image tower: precompute its outputs for this many views per image (view 0 the eval
     # transform, the rest augmented) instead of running it every step; see clip_mini/train/frozen.py
     frozen_features: int = 0
-    # run that precompute through torch.compile (inductor, weights frozen; clip_mini/compile_pass.py): tens of
-    # seconds to compile, then faster on some CPUs (benchmarks/results/towers*.json); eager if compiling fails
+    # run that precompute through torch.compile (inductor, weights frozen; clip_mini/compile_pass.py): seconds to
+    # compile, then ~1.12x on a CPU without AMX (benchmarks/results/compile_noamx.json); eager if compiling fails
     compile_tower: bool = False
     # share of each contrastive target spread over the batch (0: none); measured on the val split in
     # benchmarks/results/features_loss.json
