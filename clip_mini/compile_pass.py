@@ -1,8 +1,8 @@
 """``torch.compile`` for a long gradient-free tower pass (``train.compile_tower``: the frozen-feature pass).
 
-Inductor with ``freezing``: the tower's weights are folded into the graph as constants, so its linear layers run
-as prepacked oneDNN matrix products with the bias and the following activation fused into them, and the norms
-and residual adds become fused loops. Measured on a CPU without AMX, a whole pass in its own process
+Inductor with ``freezing``: the tower's weights are folded into the graph as constants, which lets it prepack the
+linear layers' weights for oneDNN and fuse the element-wise work around them (norms, activations, residual adds)
+into generated loops. Measured on a CPU without AMX, a whole pass in its own process
 (benchmarks/bench_compile.py, results/compile_noamx.json): 1.13x the eager images/s for DINOv2 ViT-S/14 and 1.12x
 for EfficientNet-Lite0, after 4-15 s of compilation, so it pays from about a thousand images (ViT) or a few
 thousand (CNN); a short pass loses, which is why it is a setting and off by default.
@@ -39,11 +39,11 @@ class CompiledPass:
         if self.batch is None:
             self.batch = n
         padded = x if n == self.batch else torch.cat([x, x.new_zeros((self.batch - n, *x.shape[1:]))])
-        if self.state == "compiled":
-            return self.compiled(padded, *args)[:n]
         try:
             out = self.compiled(padded, *args)[:n]
         except Exception as e:   # no C++ compiler, an inductor limitation: the eager pass gives the same results
+            if self.state == "compiled":   # it compiled and ran before: a real error, not a missing compiler
+                raise
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             warnings.warn(f"torch.compile of {self.what} failed ({type(e).__name__}: {first}); running it eagerly",
                           RuntimeWarning, stacklevel=2)
