@@ -35,8 +35,10 @@ training run in three pieces (benchmarks/train_pause.py):
      model's val evaluation (its time) and the first steps;
   2. resume and pause after ``3L`` steps: the time a resume's set-up takes, and the time per step;
   3. score the paused model on test (the time one test score takes); then fit ``train.epochs`` so that the rest
-     of the run, with its per-epoch evaluations, ends with time left for the test scores of best/ and final/, and
-     resume to the end. The run is stopped (SIGTERM) if it still runs into that reserve.
+     of the run, with its per-epoch evaluations, ends with time left for the test scores of best/ and final/;
+  4. resume for 40% of the remaining steps and fit ``train.epochs`` again from that piece's step time and
+     evaluations (this CPU's speed drifts within a run; the cosine is stretched from there on), and resume to
+     the end. The run is stopped (SIGTERM) if it still runs into the test-score reserve.
 The paused steps are part of the run, not thrown away: they fall in the warmup, whose learning rate does not
 depend on the schedule length (so the variant needs train.warmup_steps >= 3L). ``--epochs N`` fixes the schedule
 instead (one piece, no timing; 10% of the budget is kept for the test scores). The load average is sampled and
@@ -89,6 +91,7 @@ BUILTIN = {
 }
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "rsum")
 TEST_RESERVE_NO_PROBE = 0.1   # share of the budget kept for the test scores when --epochs skips the timing
+REFIT_SHARE = 0.4            # share of the fitted schedule's remaining steps run before the epochs are fitted again
 STOP_S = 2.0                  # a run stopped at the reserve: its exit after SIGTERM
 
 
@@ -292,6 +295,43 @@ def fit_epochs(time_left: float, step_s: float, eval_s: float, steps_per_epoch: 
     return max(1, math.ceil(done / steps_per_epoch), int(fit))
 
 
+def refit(v: Variant, base: list[str], run: Path, log: Path, info: dict, epochs: int, t0: float, budget_s: float,
+          reserve: float, loads: list[float], eval_s: float) -> int:
+    """Run the first ``REFIT_SHARE`` of the fitted schedule's remaining steps, then fit ``train.epochs`` again from
+    that piece's own step time and evaluations; returns the new epoch count (``info`` records both fits).
+
+    This CPU's speed drifts within a run (its fp32 probe read 130 GFLOP/s before one variant and 184 after), so a
+    schedule sized on the second piece's 4L steps alone left a tenth of the budget unused. The cosine is stretched
+    (or shrunk) from the re-fit step on: the learning rate moves once, by a few percent.
+    """
+    spe, done = info["steps_per_epoch"], info["timed_steps"]
+    at = done + int(REFIT_SHARE * (epochs * spe - done))
+    if at - done < 2 * spe:   # too short a schedule to measure again
+        return epochs
+    tick = time.time()
+    rc, stopped = run_until(base + ["--set", f"train.epochs={epochs}", "--stop-after", str(at), "--resume"], log,
+                            t0 + budget_s - reserve, loads)
+    if stopped:   # fell behind the first fit: the checkpoints are on disk, the last resume finishes the schedule
+        info.update(refit={"at_step": at, "stopped": True, "epochs_first_fit": epochs})
+        return epochs
+    _check(rc, False, "the re-fit piece", log)
+    rows = _rows(run)
+    steps = [r for r in rows if r.get("kind") == "step" and done < r["step"] <= at]
+    if not steps:
+        return epochs
+    evals = [r["eval_s"] for r in rows if r.get("kind") == "epoch" and done < r["step"] <= at]
+    settled = [r["pairs_per_s"] for r in steps[1:]] or [steps[-1]["pairs_per_s"]]
+    step_s = info["batch"] / statistics.median(settled)
+    if evals:
+        eval_s = statistics.median(evals) + info["epoch_writes_s"]
+    time_left = budget_s - (time.time() - t0) - reserve - info["resume_setup_s"]
+    new = fit_epochs(time_left, step_s, eval_s, spe, at)
+    info.update(refit={"at_step": at, "piece_s": round(time.time() - tick, 1), "step_s": round(step_s, 3),
+                       "eval_s": round(eval_s, 1), "time_left_s": round(time_left, 1), "epochs_first_fit": epochs,
+                       "epochs": new})
+    return new
+
+
 def _probe_facts(run: Path, log: Path) -> dict:
     import re
 
@@ -352,7 +392,11 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
                 "resume_setup_s": round(resume_setup, 1), "step_s": round(step_s, 3),
                 "val_eval_s": round(first["eval_s"], 1), **{k: round(x, 1) for k, x in timed.items()},
                 "reserve_s": round(reserve, 1), "time_left_s": round(time_left, 1),
-                "steps_per_epoch": first["steps_per_epoch"], "train_images": first["train_images"]}
+                "steps_per_epoch": first["steps_per_epoch"], "train_images": first["train_images"],
+                "batch": first["batch"]}
+        if time_left > 0:
+            epochs = refit(v, base, run, log, info, epochs, t0, budget_s, reserve, loads,
+                           first["eval_s"] + timed["epoch_writes_s"])
     # the run itself (resumed after the timed pieces): stopped if it reaches the test-score reserve
     cmd = [sys.executable, "train.py", "--config", str(v.config)] + [a for s in sets for a in ("--set", s)]
     cmd += ["--set", f"train.epochs={epochs}"] + ([] if not info else ["--resume", "auto"])
@@ -368,6 +412,8 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
     wall = time.time() - t0
     return {"variant": v.name, "config": os.path.relpath(v.config, ROOT), "overrides": v.overrides,
             "extra": common, "epochs_planned": epochs, "epochs_done": max((r["epoch"] for r in epoch_rows), default=0),
+            "val_curve": [{"epoch": r["epoch"], "step": r["step"], "rsum": round(r["val_rsum"], 4),
+                           "t2i_r5": round(r["val_t2i_r5"], 4)} for r in epoch_rows if "val_rsum" in r],
             "stopped_at_reserve": stopped, "cache_warmup": warm, **info, **scores, "budget_s": budget_s,
             "wall_s": round(wall, 1),
             "within_budget": wall <= budget_s, "load_avg_mean": round(sum(loads) / max(len(loads), 1), 2),

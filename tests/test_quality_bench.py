@@ -112,6 +112,12 @@ def test_trainer_variant_reports_test_for_best_and_final_within_budget(shapes, t
     assert _has_numbers(r["final"]["val"]) or r["final"]["from_checkpoint"]
     assert r["final"]["step"] >= r["best"]["step"] >= 1
     assert all(r["machine_fp32_gflops"][k] > 1 for k in ("before", "after"))   # the machine's speed, recorded
+    # the schedule was fitted a second time, after a piece of the fitted run, and the run followed the new fit
+    refit = r["refit"]
+    assert refit["at_step"] > r["timed_steps"] and not refit.get("stopped"), refit
+    assert r["epochs_planned"] == refit["epochs"] and refit["step_s"] > 0
+    curve = r["val_curve"]
+    assert [c["epoch"] for c in curve] == list(range(1, r["epochs_done"] + 1)) and 0 <= curve[-1]["rsum"] <= 6
 
 
 @pytest.mark.slow

@@ -62,3 +62,58 @@ def test_training_on_stored_rows_equals_running_the_tower(tmp_path, monkeypatch)
     assert "text_pass_s" not in plain["time_breakdown"]
     assert len(cached_losses) == len(plain_losses) >= 8
     assert cached_losses == pytest.approx(plain_losses, abs=1e-5)
+
+
+def test_rows_are_stored_and_read_back_under_a_key(tmp_path, monkeypatch):
+    model, caps = _model()
+    path = tmp_path / "frozen_features" / "text-tower.safetensors"
+    cpu = torch.device("cpu")
+    index, rows = text_cache.load_or_compute_rows(model, caps, 2, cpu, "fp32", path, progress=False)
+    assert path.is_file()
+    calls = []
+    real = text_cache.text_tower_rows
+    monkeypatch.setattr(text_cache, "text_tower_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again_index, again = text_cache.load_or_compute_rows(model, caps, 2, cpu, "fp32", path, progress=False)
+    assert calls == [] and again_index == index and torch.equal(again, rows)   # read, not recomputed
+
+    # anything the rows depend on changed: computed again (and the file replaced)
+    text_cache.load_or_compute_rows(model, caps + ["a new caption"], 2, cpu, "fp32", path, progress=False)
+    assert len(calls) == 1
+    text_cache.load_or_compute_rows(model, caps, 2, cpu, "bf16", path, progress=False)
+    assert len(calls) == 2
+    with torch.no_grad():
+        next(model.text.parameters()).add_(1.0)
+    _, changed = text_cache.load_or_compute_rows(model, caps, 2, cpu, "fp32", path, progress=False)
+    assert len(calls) == 3 and not torch.equal(changed, rows)
+    # a damaged file is a cache miss, never an error
+    path.write_bytes(b"not a safetensors file")
+    text_cache.load_or_compute_rows(model, caps, 2, cpu, "fp32", path, progress=False)
+    assert len(calls) == 4
+    _, read = text_cache.load_or_compute_rows(model, caps, 2, cpu, "fp32", path, progress=False)
+    assert len(calls) == 4 and torch.equal(read, changed)
+
+
+def test_a_resumed_run_reads_the_stored_rows(tmp_path, monkeypatch):
+    from clip_mini.config import load_config
+    from clip_mini.data import generate
+    from clip_mini.train import train
+
+    shapes = generate(tmp_path / "shapes", n=48, seed=0, size=32)
+    cfg = load_config(None, [
+        "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
+        "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
+        "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
+        "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
+        "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1",
+        "train.precision=fp32", f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / 'run'}"])
+    train(cfg, stop_after=3)
+    assert (tmp_path / "run" / "frozen_features" / "text-tower.safetensors").is_file()
+
+    def no_tower(*a, **k):
+        raise AssertionError("the locked text tower ran again on resume")
+
+    monkeypatch.setattr(text_cache, "text_tower_rows", no_tower)
+    result = train(cfg, resume="auto")
+    assert result["time_breakdown"]["text_pass_s"] < 5
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows if r["kind"] == "step") > 3

@@ -111,8 +111,9 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
                                     model.cfg.text.max_length, info.rank, info.world_size, cache)
     if text_cache.wanted(cfg):   # a locked text tower: its rows once per distinct caption, not every step
         with clock("text_pass"):
-            inputs.collate = text_cache.TextRowCollate(inputs.collate, *text_cache.text_tower_rows(
-                model, splits["train"]["caption"].tolist(), t.eval_batch_size * 4, device, t.precision, main))
+            inputs.collate = text_cache.TextRowCollate(inputs.collate, *text_cache.load_or_compute_rows(
+                model, splits["train"]["caption"].tolist(), t.eval_batch_size * 4, device, t.precision,
+                run / "frozen_features" / "text-tower.safetensors", progress=main, write=main))
     steps_per_epoch = all_min(inputs.steps_per_epoch, device)
     global_batch = t.batch_size * t.accum_freq * info.world_size
     if steps_per_epoch == 0:

@@ -6,10 +6,19 @@ run the tower on every batch, the trainer runs it once over the split's distinct
 a step costs the image side, the text head and the loss. With MiniLM-L6 locked and a small ViT learning from
 scratch this takes the text forward out of every step (benchmarks/quality_flickr8k.py, variant ``e``).
 WebDataset streams have no finite caption list and keep running the tower per batch.
+
+The rows are stored in the run directory (``frozen_features/text-tower.safetensors``, written atomically) under
+a key over everything they depend on (the distinct captions, the text config, the tokenizer's vocabulary, the
+tower's weights and the precision), so a resumed run reads them instead of running the tower again: over
+Flickr8k's 27,955 training captions MiniLM-L6 takes about a minute on 2 cores, once per process otherwise.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -22,11 +31,19 @@ def wanted(cfg) -> bool:
     return not cfg.model.text.trainable and cfg.data.format != "webdataset"
 
 
+FORMAT = 1
+
+
+def distinct_captions(captions: Sequence[str]) -> list[str]:
+    """The distinct captions in row order of the stored table: by length (a batch pads little), then text."""
+    return sorted(set(map(str, captions)), key=lambda c: (len(c), c))
+
+
 @torch.no_grad()   # not inference_mode: the rows feed the text head, whose backward saves its input
 def text_tower_rows(model, captions: Sequence[str], batch_size: int, device: torch.device, precision: str,
                     progress: bool = True) -> tuple[dict[str, int], torch.Tensor]:
     """``(row of each distinct caption, (n_distinct, tower width) float32)``: the tower's output in eval mode."""
-    distinct = sorted(set(map(str, captions)), key=lambda c: (len(c), c))
+    distinct = distinct_captions(captions)
     was_training = model.text.training
     model.text.eval()
     out = []
@@ -53,3 +70,60 @@ class TextRowCollate:
         out = self.collate(batch)
         out["text_tower"] = self.rows[[self.index[str(b[1])] for b in batch]]
         return out
+
+
+def rows_key(model, distinct: list[str], precision: str) -> str:
+    """Hash of what the stored rows depend on; a different hash means run the tower again."""
+    h = hashlib.sha256()
+    vocab = model.tokenizer.get_vocab() if model.tokenizer is not None else {}
+    h.update(json.dumps({"format": FORMAT, "text": dataclasses.asdict(model.cfg.text), "precision": precision,
+                         "vocab": sorted(vocab.items())}, sort_keys=True, default=str).encode())
+    for c in distinct:
+        h.update(c.encode())
+        h.update(b"\0")
+    state = model.text.state_dict()
+    for name in sorted(state):   # the weights themselves: another checkpoint, other rows
+        h.update(name.encode())
+        h.update(state[name].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _read_rows(path: Path, key: str, n: int, width: int) -> Optional[torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") != key:
+                return None
+            rows = f.get_tensor("rows")
+    except (SafetensorError, OSError):
+        return None   # damaged or foreign: recompute (a cache, never the only copy of anything)
+    return rows if rows.shape == (n, width) and rows.dtype == torch.float32 else None
+
+
+def load_or_compute_rows(model, captions: Sequence[str], batch_size: int, device: torch.device, precision: str,
+                         path: Optional[Path], progress: bool = True, write: bool = True
+                         ) -> tuple[dict[str, int], torch.Tensor]:
+    """``text_tower_rows``, read from ``path`` when its key matches, else computed (and stored there if
+    ``write``). ``path=None``: always computed, nothing stored."""
+    from safetensors.torch import save_file
+
+    from clip_mini.io import atomic_path
+
+    distinct = distinct_captions(captions)
+    index = {c: i for i, c in enumerate(distinct)}
+    if path is None:
+        return text_tower_rows(model, distinct, batch_size, device, precision, progress)
+    key = rows_key(model, distinct, precision)
+    rows = _read_rows(path, key, len(distinct), model.text.width)
+    if rows is not None:
+        return index, rows
+    got_index, rows = text_tower_rows(model, distinct, batch_size, device, precision, progress)
+    assert got_index == index
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({"rows": rows.contiguous()}, str(tmp), metadata={"key": key})
+    return index, rows
