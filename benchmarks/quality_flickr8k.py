@@ -19,6 +19,8 @@ Variants:
   i         h at 128 px (8 x 8 patches, 32 of them kept a step)
   j         h at batch 64
   k         e at 160 px (10 x 10 patches) with three quarters of them dropped a step (25 kept)
+  l         i with stronger augmentation: horizontal flips (Flickr8k captions rarely say left or right) and
+            crops from 50% of the image (scale_min 0.5 instead of 0.7)
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
   d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
             features precomputed for 2 views)
@@ -85,6 +87,8 @@ BUILTIN = {
     "j": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "train.batch_size=64"],   # h, batch 64
     "k": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.75",
                 "model.vision.image_size=160"],   # 160 px (the photos' size): 100 patches, 25 of them a step
+    "l": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "model.vision.image_size=128",
+                "data.hflip=true", "data.scale_min=0.5"],   # i with stronger augmentation: flips, crops from half
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
