@@ -21,6 +21,7 @@ Variants:
   k         e at 160 px (10 x 10 patches) with three quarters of them dropped a step (25 kept)
   l         i with stronger augmentation: horizontal flips (Flickr8k captions rarely say left or right) and
             crops from 50% of the image (scale_min 0.5 instead of 0.7)
+  m         i with three quarters of the patches dropped (16 of 64 a step): about half the FLOPs a step
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
   d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
             features precomputed for 2 views)
@@ -89,6 +90,8 @@ BUILTIN = {
                 "model.vision.image_size=160"],   # 160 px (the photos' size): 100 patches, 25 of them a step
     "l": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "model.vision.image_size=128",
                 "data.hflip=true", "data.scale_min=0.5"],   # i with stronger augmentation: flips, crops from half
+    "m": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.75",
+                "model.vision.image_size=128"],   # i with 16 of the 64 patches a step: ~half the FLOPs, more epochs
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
