@@ -22,6 +22,7 @@ Variants:
   l         i with stronger augmentation: horizontal flips (Flickr8k captions rarely say left or right) and
             crops from 50% of the image (scale_min 0.5 instead of 0.7)
   m         i with three quarters of the patches dropped (16 of 64 a step): about half the FLOPs a step
+  n         i's 8 x 8 patches (32 a step) taken from 160 px, the photos' own size, with 20 px patches
   c         EfficientNet-Lite0 ImageNet weights, frozen (LiT) at 160 px, run every step + MiniLM-L6 text
   d         configs/flickr8k.yaml as it is (c at 288 px + DINOv2 ViT-S/14 concatenated, the locked towers'
             features precomputed for 2 views)
@@ -92,6 +93,8 @@ BUILTIN = {
                 "data.hflip=true", "data.scale_min=0.5"],   # i with stronger augmentation: flips, crops from half
     "m": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.75",
                 "model.vision.image_size=128"],   # i with 16 of the 64 patches a step: ~half the FLOPs, more epochs
+    "n": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "model.vision.image_size=160",
+                "model.vision.patch_size=20"],   # i's 8 x 8 tokens read from the photos' own 160 px
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
