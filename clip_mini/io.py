@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from clip_mini.errors import ClipMiniError
 
@@ -120,3 +120,29 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def read_keyed_tensors(path: Path, key: str, names: tuple[str, ...]) -> Optional[dict]:
+    """Tensors ``names`` of a safetensors cache file whose metadata ``key`` equals ``key``, else ``None``: a
+    missing, damaged, foreign or differently keyed file is a cache miss, never an error (a cache is never the only
+    copy of anything)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") != key:
+                return None
+            return {n: f.get_tensor(n) for n in names}
+    except (SafetensorError, OSError):
+        return None
+
+
+def write_keyed_tensors(path: Path, tensors: dict, key: str) -> None:
+    """Write ``tensors`` as a safetensors file under metadata ``key``, atomically (``read_keyed_tensors``)."""
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"key": key})

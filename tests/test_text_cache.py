@@ -23,6 +23,19 @@ def _model():
     return CLIPModel(cfg, vocab_size=len(tok), pad_token_id=tok.pad_token_id, tokenizer=tok), caps
 
 
+def _locked_text_config(shapes, out_dir):
+    """A tiny model with a locked from-scratch text tower, trained on generated shapes."""
+    from clip_mini.config import load_config
+
+    return load_config(None, [
+        "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
+        "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
+        "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
+        "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
+        "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1",
+        "train.precision=fp32", f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={out_dir}"])
+
+
 def test_rows_are_the_eval_mode_tower_output_per_distinct_caption():
     model, caps = _model()
     model.train()   # dropout on: the rows must still be the eval-mode output, and training mode restored
@@ -37,21 +50,13 @@ def test_rows_are_the_eval_mode_tower_output_per_distinct_caption():
 
 
 def test_training_on_stored_rows_equals_running_the_tower(tmp_path, monkeypatch):
-    from clip_mini.config import load_config
     from clip_mini.data import generate
     from clip_mini.train import train
 
     shapes = generate(tmp_path / "shapes", n=48, seed=0, size=32)
 
     def run(name):
-        cfg = load_config(None, [
-            "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
-            "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
-            "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
-            "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
-            "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1",
-            "train.precision=fp32", f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / name}"])
-        result = train(cfg)
+        result = train(_locked_text_config(shapes, tmp_path / name))
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return result, [r["loss"] for r in rows if r["kind"] == "step"]
 
@@ -94,18 +99,11 @@ def test_rows_are_stored_and_read_back_under_a_key(tmp_path, monkeypatch):
 
 
 def test_a_resumed_run_reads_the_stored_rows(tmp_path, monkeypatch):
-    from clip_mini.config import load_config
     from clip_mini.data import generate
     from clip_mini.train import train
 
     shapes = generate(tmp_path / "shapes", n=48, seed=0, size=32)
-    cfg = load_config(None, [
-        "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
-        "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
-        "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
-        "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
-        "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1",
-        "train.precision=fp32", f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / 'run'}"])
+    cfg = _locked_text_config(shapes, tmp_path / "run")
     train(cfg, stop_after=3)
     assert (tmp_path / "run" / "frozen_features" / "text-tower.safetensors").is_file()
 

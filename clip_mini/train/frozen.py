@@ -175,17 +175,12 @@ def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, devic
 
 
 def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
+    from clip_mini.io import read_keyed_tensors
 
-    if not path.is_file():
+    got = read_keyed_tensors(path, key, ("features", "ok"))
+    if got is None:
         return None
-    try:
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") != key:
-                return None
-            features, ok = f.get_tensor("features"), f.get_tensor("ok")
-    except (SafetensorError, OSError):
-        return None   # damaged or foreign: recompute (it is a cache, never the only copy of anything)
+    features, ok = got["features"], got["ok"]
     return (features, ok) if features.shape[0] == n and ok.shape == (n,) else None
 
 
@@ -199,10 +194,8 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
         ``model.vision.trainable_blocks: k > 0`` a list of ``views`` ``(N, T, D)`` token-state tensors,
         memory-mapped from their files (a stored view is never loaded whole).
     """
-    from safetensors.torch import save_file
-
     from clip_mini.data import build_eval_transform
-    from clip_mini.io import atomic_path
+    from clip_mini.io import write_keyed_tensors
 
     paths = split_paths(df)
     blocks = token_blocks(cfg)
@@ -222,8 +215,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
                                desc=f"frozen {what} ({split}, view {view + 1}/{views})",
                                blocks=blocks, tower=tower)
             if write:
-                with atomic_path(path) as tmp:
-                    save_file({"features": got[0].contiguous(), "ok": got[1]}, str(tmp), metadata={"key": key})
+                write_keyed_tensors(path, {"features": got[0], "ok": got[1]}, key)
                 if blocks:   # drop the in-memory copy for the memory-mapped file
                     got = _read_view(path, key, len(paths)) or got
         features.append(got[0])

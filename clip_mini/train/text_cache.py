@@ -89,18 +89,11 @@ def rows_key(model, distinct: list[str], precision: str) -> str:
 
 
 def _read_rows(path: Path, key: str, n: int, width: int) -> Optional[torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
+    from clip_mini.io import read_keyed_tensors
 
-    if not path.is_file():
-        return None
-    try:
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") != key:
-                return None
-            rows = f.get_tensor("rows")
-    except (SafetensorError, OSError):
-        return None   # damaged or foreign: recompute (a cache, never the only copy of anything)
-    return rows if rows.shape == (n, width) and rows.dtype == torch.float32 else None
+    got = read_keyed_tensors(path, key, ("rows",))
+    rows = None if got is None else got["rows"]
+    return rows if rows is not None and rows.shape == (n, width) and rows.dtype == torch.float32 else None
 
 
 def load_or_compute_rows(model, captions: Sequence[str], batch_size: int, device: torch.device, precision: str,
@@ -108,9 +101,7 @@ def load_or_compute_rows(model, captions: Sequence[str], batch_size: int, device
                          ) -> tuple[dict[str, int], torch.Tensor]:
     """``text_tower_rows``, read from ``path`` when its key matches, else computed (and stored there if
     ``write``). ``path=None``: always computed, nothing stored."""
-    from safetensors.torch import save_file
-
-    from clip_mini.io import atomic_path
+    from clip_mini.io import write_keyed_tensors
 
     distinct = distinct_captions(captions)
     index = {c: i for i, c in enumerate(distinct)}
@@ -123,7 +114,5 @@ def load_or_compute_rows(model, captions: Sequence[str], batch_size: int, device
     got_index, rows = text_tower_rows(model, distinct, batch_size, device, precision, progress)
     assert got_index == index
     if write:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({"rows": rows.contiguous()}, str(tmp), metadata={"key": key})
+        write_keyed_tensors(path, {"rows": rows}, key)
     return index, rows
