@@ -305,7 +305,7 @@ def fit_epochs(time_left: float, step_s: float, eval_s: float, steps_per_epoch: 
     return max(1, math.ceil(done / steps_per_epoch), int(fit))
 
 
-def refit(v: Variant, base: list[str], run: Path, log: Path, info: dict, epochs: int, t0: float, budget_s: float,
+def refit(base: list[str], run: Path, log: Path, info: dict, epochs: int, t0: float, budget_s: float,
           reserve: float, loads: list[float], eval_s: float) -> int:
     """Run the first ``REFIT_SHARE`` of the fitted schedule's remaining steps, then fit ``train.epochs`` again from
     that piece's own step time and evaluations; returns the new epoch count (``info`` records both fits).
@@ -405,7 +405,7 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
                 "steps_per_epoch": first["steps_per_epoch"], "train_images": first["train_images"],
                 "batch": first["batch"]}
         if time_left > 0:
-            epochs = refit(v, base, run, log, info, epochs, t0, budget_s, reserve, loads,
+            epochs = refit(base, run, log, info, epochs, t0, budget_s, reserve, loads,
                            first["eval_s"] + timed["epoch_writes_s"])
     # the run itself (resumed after the timed pieces): stopped if it reaches the test-score reserve
     cmd = [sys.executable, "train.py", "--config", str(v.config)] + [a for s in sets for a in ("--set", s)]
@@ -518,7 +518,7 @@ def main(argv=None) -> None:
     p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
                    help="wall-clock budget per variant, everything included")
     p.add_argument("--variants", default="a,b,c,d,openclip",
-                   help="comma list of a-k, openclip, NAME=CONFIG")
+                   help="comma list of a-n, openclip, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")

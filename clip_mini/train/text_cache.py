@@ -25,13 +25,12 @@ from tqdm import tqdm
 
 from clip_mini.precision import autocast
 
+FORMAT = 1   # of the stored rows' key
+
 
 def wanted(cfg) -> bool:
     """Whether the trainer precomputes the text tower: a locked tower over a finite caption table."""
     return not cfg.model.text.trainable and cfg.data.format != "webdataset"
-
-
-FORMAT = 1
 
 
 def distinct_captions(captions: Sequence[str]) -> list[str]:
@@ -97,22 +96,17 @@ def _read_rows(path: Path, key: str, n: int, width: int) -> Optional[torch.Tenso
 
 
 def load_or_compute_rows(model, captions: Sequence[str], batch_size: int, device: torch.device, precision: str,
-                         path: Optional[Path], progress: bool = True, write: bool = True
-                         ) -> tuple[dict[str, int], torch.Tensor]:
+                         path: Path, progress: bool = True, write: bool = True) -> tuple[dict[str, int], torch.Tensor]:
     """``text_tower_rows``, read from ``path`` when its key matches, else computed (and stored there if
-    ``write``). ``path=None``: always computed, nothing stored."""
+    ``write``)."""
     from clip_mini.io import write_keyed_tensors
 
     distinct = distinct_captions(captions)
-    index = {c: i for i, c in enumerate(distinct)}
-    if path is None:
-        return text_tower_rows(model, distinct, batch_size, device, precision, progress)
     key = rows_key(model, distinct, precision)
     rows = _read_rows(path, key, len(distinct), model.text.width)
     if rows is not None:
-        return index, rows
-    got_index, rows = text_tower_rows(model, distinct, batch_size, device, precision, progress)
-    assert got_index == index
+        return {c: i for i, c in enumerate(distinct)}, rows
+    index, rows = text_tower_rows(model, distinct, batch_size, device, precision, progress)
     if write:
         write_keyed_tensors(path, {"rows": rows}, key)
     return index, rows
