@@ -95,6 +95,8 @@ BUILTIN = {
                 "model.vision.image_size=128"],   # i with 16 of the 64 patches a step: ~half the FLOPs, more epochs
     "n": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "model.vision.image_size=160",
                 "model.vision.patch_size=20"],   # i's 8 x 8 tokens read from the photos' own 160 px
+    "o": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "model.vision.image_size=160",
+                "model.vision.patch_size=20", "train.captions_per_image=5"],   # n against all 5 captions a step
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
@@ -518,7 +520,7 @@ def main(argv=None) -> None:
     p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
                    help="wall-clock budget per variant, everything included")
     p.add_argument("--variants", default="a,b,c,d,openclip",
-                   help="comma list of a-n, openclip, NAME=CONFIG")
+                   help="comma list of a-o, openclip, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")

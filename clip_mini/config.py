@@ -170,6 +170,12 @@ class TrainConfig:
     label_smoothing: float = 0.0
     # "clip": softmax contrastive loss; "siglip": SigLIP's pairwise sigmoid loss (needs model.init_logit_bias)
     loss: Literal["clip", "siglip"] = "clip"
+    # with a locked text tower (its rows precomputed, clip_mini/train/text_cache.py): contrast each image of a
+    # batch with this many of its captions (the drawn one, then the next ones of that image in table order,
+    # repeated when it has fewer), every one a positive. The extra captions cost only the text head, and each
+    # image-tower pass gets that many text queries' gradient; 1: one caption per image (measured in
+    # benchmarks/results/quality_flickr8k_scratch_captions.json)
+    captions_per_image: int = 1
 
 
 @dataclass
@@ -195,6 +201,7 @@ _POSITIVE = {
     "model.vision.heads", "model.text.dim", "model.text.n_layers", "model.text.n_heads", "model.text.hidden_dim",
     "model.text.vocab_size", "model.embed_dim", "train.epochs", "train.batch_size", "train.accum_freq", "train.lr",
     "train.log_every", "train.keep_checkpoints", "train.max_bad_steps", "train.eval_batch_size",
+    "train.captions_per_image",
 }
 _UNIT = {"model.vision.dropout", "model.vision.drop_path", "model.vision.patch_drop", "model.text.dropout",
          "model.head_dropout", "data.color_jitter", "train.label_smoothing"}
@@ -270,6 +277,12 @@ def _check_ranges(cfg: Config) -> None:
                               "model.init_logit_scale: 2.302585, i.e. log 10)")
         if cfg.train.label_smoothing:
             raise ConfigError("train.label_smoothing applies to train.loss=clip, not siglip")
+    if cfg.train.captions_per_image > 1:
+        if cfg.model.text.trainable or cfg.data.format == "webdataset":
+            raise ConfigError("train.captions_per_image > 1 reads the captions' precomputed rows: it needs a locked "
+                              "text tower (model.text.trainable=false) over a caption table (not webdataset)")
+        if cfg.train.label_smoothing:
+            raise ConfigError("train.label_smoothing is for one caption per image (train.captions_per_image=1)")
     for name in ("lr_image", "lr_text", "lr_head"):
         val = getattr(cfg.train, name)
         if val is not None and val < 0:

@@ -62,6 +62,14 @@ def _rng_set(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _text_ids(batches: Sequence[Batch]) -> dict:
+    """``{"text_ids": ...}`` when the batches carry several captions per image (train.captions_per_image), else {}:
+    a plain ``f(image_features, text_features, logit_params, ids)`` loss keeps working."""
+    if "text_ids" not in batches[0]:
+        return {}
+    return {"text_ids": torch.cat([b["text_ids"] for b in batches])}
+
+
 def _features(model: nn.Module, batch: Batch, device: torch.device, precision: str):
     with autocast(device, precision):
         image_features, text_features, scale = model(batch.get("pixels"), batch["input_ids"], batch["attention_mask"],
@@ -92,7 +100,7 @@ def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callab
     if len(batches) == 1:
         b = batches[0]
         image_features, text_features, scale = _features(model, b, device, precision)
-        loss = loss_fn(image_features, text_features, scale, b["image_ids"])
+        loss = loss_fn(image_features, text_features, scale, b["image_ids"], **_text_ids(batches))
         backward(loss)
         return loss.detach()
 
@@ -106,6 +114,7 @@ def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callab
             cached_text.append(text_features)
     rng_after = _rng_get(device)
     image_ids = torch.cat([b["image_ids"] for b in batches])
+    text_ids = _text_ids(batches)
 
     # 2) Re-forward each micro-batch with gradient (same dropout masks) and back-propagate the full-batch loss
     #    through its own features only. DDP synchronises gradients on the last backward alone.
@@ -119,7 +128,7 @@ def forward_backward(model: nn.Module, batches: Sequence[Batch], loss_fn: Callab
                 scale = scale.detach()   # logit_scale's (and logit_bias's) gradient is taken once, in the last pass
             all_image = torch.cat(cached_image[:j] + [image_features] + cached_image[j + 1:])   # (k*B, E)
             all_text = torch.cat(cached_text[:j] + [text_features] + cached_text[j + 1:])       # (k*B, E)
-            loss = loss_fn(all_image, all_text, scale, image_ids)
+            loss = loss_fn(all_image, all_text, scale, image_ids, **text_ids)
             backward(loss)
     _rng_set(rng_after, device)
     return loss.detach()

@@ -111,9 +111,13 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
                                     model.cfg.text.max_length, info.rank, info.world_size, cache)
     if text_cache.wanted(cfg):   # a locked text tower: its rows once per distinct caption, not every step
         with clock("text_pass"):
-            inputs.collate = text_cache.TextRowCollate(inputs.collate, *text_cache.load_or_compute_rows(
-                model, splits["train"]["caption"].tolist(), t.eval_batch_size * 4, device, t.precision,
-                run / "frozen_features" / "text-tower.safetensors", progress=main, write=main))
+            captions = splits["train"]["caption"].tolist()
+            index, rows = text_cache.load_or_compute_rows(
+                model, captions, t.eval_batch_size * 4, device, t.precision,
+                run / "frozen_features" / "text-tower.safetensors", progress=main, write=main)
+            groups = (text_cache.caption_groups(captions, splits["train"]["image_id"].tolist(), index)
+                      if t.captions_per_image > 1 else None)
+            inputs.collate = text_cache.TextRowCollate(inputs.collate, index, rows, t.captions_per_image, groups)
     steps_per_epoch = all_min(inputs.steps_per_epoch, device)
     global_batch = t.batch_size * t.accum_freq * info.world_size
     if steps_per_epoch == 0:

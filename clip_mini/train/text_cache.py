@@ -60,15 +60,43 @@ def text_tower_rows(model, captions: Sequence[str], batch_size: int, device: tor
 
 
 class TextRowCollate:
-    """Wraps a collate of ``(image, caption, image_id)`` items: adds the captions' tower rows as ``text_tower``."""
+    """Wraps a collate of ``(image, caption, image_id)`` items: adds the captions' tower rows as ``text_tower``.
 
-    def __init__(self, collate, index: dict[str, int], rows: torch.Tensor):
+    With ``per_image`` > 1 and ``groups`` (each image id's distinct caption rows in table order), each item brings
+    ``per_image`` rows: its drawn caption, then the image's next captions cyclically (repeats when it has fewer),
+    plus ``text_ids`` (the image id of each row). A fixed count keeps every batch's shape, which the distributed
+    gather needs; the sampler's random draw makes the set of rows vary when an image has more captions.
+    """
+
+    def __init__(self, collate, index: dict[str, int], rows: torch.Tensor, per_image: int = 1,
+                 groups: Optional[dict[int, list[int]]] = None):
+        if per_image > 1 and groups is None:
+            raise ValueError("per_image > 1 needs each image's caption rows (groups)")
         self.collate, self.index, self.rows = collate, index, rows.cpu()
+        self.per_image, self.groups = per_image, groups
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         out = self.collate(batch)
-        out["text_tower"] = self.rows[[self.index[str(b[1])] for b in batch]]
+        drawn = [self.index[str(b[1])] for b in batch]
+        if self.per_image == 1:
+            out["text_tower"] = self.rows[drawn]
+            return out
+        picked = []
+        for row, b in zip(drawn, batch):
+            group = self.groups[int(b[2])]
+            start = group.index(row)
+            picked += [group[(start + j) % len(group)] for j in range(self.per_image)]
+        out["text_tower"] = self.rows[picked]
+        out["text_ids"] = out["image_ids"].repeat_interleave(self.per_image)
         return out
+
+
+def caption_groups(captions: Sequence[str], image_ids: Sequence[int], index: dict[str, int]) -> dict[int, list[int]]:
+    """Each image id's distinct caption rows (``index``'s), in table order."""
+    groups: dict[int, dict[int, None]] = {}
+    for caption, image_id in zip(captions, image_ids):
+        groups.setdefault(int(image_id), {})[index[str(caption)]] = None
+    return {k: list(v) for k, v in groups.items()}
 
 
 def rows_key(model, distinct: list[str], precision: str) -> str:
