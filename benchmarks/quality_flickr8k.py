@@ -100,7 +100,11 @@ BUILTIN = {
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
+    "vit": [],   # configs/flickr8k-vit.yaml as it is (BASE)
+    "p": ["model.text.trainable=false", "train.captions_per_image=5"],   # vit, MiniLM locked, all 5 captions a step
 }
+VIT_CONFIG = ROOT / "configs/flickr8k-vit.yaml"
+BASE = {"vit": VIT_CONFIG, "p": VIT_CONFIG}   # builtin variants over another config than REFERENCE
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "rsum")
 TEST_RESERVE_NO_PROBE = 0.1   # share of the budget kept for the test scores when --epochs skips the timing
 REFIT_SHARE = 0.4            # share of the fitted schedule's remaining steps run before the epochs are fitted again
@@ -143,7 +147,7 @@ def parse_variants(spec: str) -> list[Variant]:
                 raise SystemExit(f"error: --variants {item}: config file {config} not found")
             out.append(Variant(name, config))
         elif name in BUILTIN:
-            out.append(Variant(name, REFERENCE, list(BUILTIN[name])))
+            out.append(Variant(name, BASE.get(name, REFERENCE), list(BUILTIN[name])))
         else:
             raise SystemExit(f"error: --variants: unknown variant {name!r}; use {', '.join(BUILTIN)} or NAME=CONFIG")
     names = [v.name for v in out]
@@ -520,7 +524,7 @@ def main(argv=None) -> None:
     p.add_argument("--budget-min", "--minutes", dest="budget_min", type=float, default=30.0,
                    help="wall-clock budget per variant, everything included")
     p.add_argument("--variants", default="a,b,c,d,openclip",
-                   help="comma list of a-o, openclip, NAME=CONFIG")
+                   help="comma list of a-o, openclip, vit, p, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from clip_mini.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -42,6 +44,11 @@ def test_variants_builtin_config_file_and_errors(tmp_path):
     assert [v.name for v in vs] == ["a", "d", "openclip", "vit"]
     assert vs[2].is_peer and not vs[3].is_peer and vs[3].config == cfg and vs[3].overrides == []
     assert vs[0].overrides == qf.BUILTIN["a"] and vs[1].config == qf.REFERENCE
+    vit, p = qf.parse_variants("vit,p")   # builtins over the ViT config
+    assert vit.config == p.config == ROOT / "configs" / "flickr8k-vit.yaml" and vit.overrides == []
+    assert "train.captions_per_image=5" in p.overrides and not p.is_peer
+    for v in (vit, p):   # each builds a valid config
+        load_config(v.config, v.overrides).validate()
     with pytest.raises(SystemExit, match="unknown variant 'z'"):
         qf.parse_variants("a,z")
     with pytest.raises(SystemExit, match="not found"):
