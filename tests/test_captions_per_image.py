@@ -94,7 +94,11 @@ def _losses(run_dir):
     return [r["loss"] for r in rows if r["kind"] == "step"]
 
 
-def test_a_run_trains_on_every_caption_and_accumulation_gives_the_same_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tower", [
+    [],   # pixels through the whole ViT every step
+    ["model.vision.trainable_blocks=1", "train.frozen_features=2", "data.workers=0"],   # stored token states
+])
+def test_a_run_trains_on_every_caption_and_accumulation_gives_the_same_steps(tmp_path, monkeypatch, tower):
     from clip_mini.data import generate
     from clip_mini.loss import ClipLoss
     from clip_mini.train import train
@@ -108,10 +112,10 @@ def test_a_run_trains_on_every_caption_and_accumulation_gives_the_same_steps(tmp
         return real(self, img, txt, scale, image_ids, text_ids)
 
     monkeypatch.setattr(ClipLoss, "forward", spy)
-    result = train(_config(shapes, tmp_path / "whole"))
+    result = train(_config(shapes, tmp_path / "whole", *tower))
     assert result["step"] >= 8 and seen and all(s == (8, 24, True) for s in seen)
     whole = _losses(tmp_path / "whole")
-    train(_config(shapes, tmp_path / "accum", "train.batch_size=4", "train.accum_freq=2"))
+    train(_config(shapes, tmp_path / "accum", "train.batch_size=4", "train.accum_freq=2", *tower))
     accumulated = _losses(tmp_path / "accum")
     assert whole == pytest.approx(accumulated, abs=1e-5)
     assert all(torch.isfinite(torch.tensor(whole)))

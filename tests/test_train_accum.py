@@ -1,7 +1,8 @@
 """Contrastive accumulation and DDP give the update of one big batch.
 
 * accumulation: 2 micro-batches of B (features cached, each re-forwarded) == one batch of 2B, within 1e-6;
-* DDP: 2 gloo processes on CPU, each with half the batch == one process on the whole batch, within 1e-5.
+* DDP: 2 gloo processes on CPU, each with half the batch == one process on the whole batch, within 1e-5;
+* both again with several captions per image (train.captions_per_image): text rows and their image ids split too.
 """
 import torch
 import torch.distributed as dist
@@ -41,7 +42,16 @@ def _batch(n: int, seed: int = 1) -> dict:
 
 def _split(batch: dict, parts: int) -> list[dict]:
     n = batch["pixels"].shape[0] // parts
-    return [{k: v[i * n:(i + 1) * n] for k, v in batch.items()} for i in range(parts)]
+    return [{k: v[i * n * (len(v) // len(batch["pixels"])):(i + 1) * n * (len(v) // len(batch["pixels"]))]
+             for k, v in batch.items()} for i in range(parts)]
+
+
+def _captions_batch(n: int, per_image: int = 3) -> dict:
+    """``_batch`` with a locked text tower's rows for ``per_image`` captions of each image (train.captions_per_image)."""
+    b = _batch(n)
+    g = torch.Generator().manual_seed(2)
+    return {**b, "text_tower": torch.randn(n * per_image, 32, generator=g),
+            "text_ids": b["image_ids"].repeat_interleave(per_image)}
 
 
 def _grads(model) -> dict:
@@ -97,6 +107,17 @@ def test_accumulated_micro_batches_equal_one_big_batch():
     assert compared > 0.9 * sum(g.numel() for g in grads_big.values())
 
 
+def test_accumulation_with_several_captions_per_image_equals_one_big_batch():
+    model, _ = _model()
+    batch = _captions_batch(16)
+    loss_big, grads_big = _run(model, [batch])
+    loss_acc, grads_acc = _run(model, _split(batch, 2))
+    assert torch.allclose(loss_big, loss_acc, atol=1e-6)
+    assert grads_big.keys() == grads_acc.keys() and "logit_scale" in grads_big
+    for name in grads_big:
+        assert torch.allclose(grads_big[name], grads_acc[name], atol=1e-6, rtol=1e-5), name
+
+
 def test_accumulation_adds_negatives_unlike_gradient_averaging():
     model, _ = _model()
     batch = _batch(16)
@@ -134,6 +155,14 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
             ddp = torch.nn.parallel.DistributedDataParallel(FeatureModel(model), broadcast_buffers=False)
             loss = forward_backward(ddp, _split(shard, accum), ClipLoss(), torch.device("cpu"))
             torch.save({"loss": loss, "grads": _grads(model)}, f"{out}.{accum}.{rank}")
+        # several captions per image: the text rows and their image ids are gathered too
+        shard = _split(_captions_batch(16), world)[rank]
+        for accum in (1, 2):
+            model, _ = _model()
+            ddp = torch.nn.parallel.DistributedDataParallel(FeatureModel(model), broadcast_buffers=False,
+                                                            find_unused_parameters=True)   # the text tower idles
+            loss = forward_backward(ddp, _split(shard, accum), ClipLoss(), torch.device("cpu"))
+            torch.save({"loss": loss, "grads": _grads(model)}, f"{out}.captions{accum}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -141,11 +170,16 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
 def test_ddp_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
     # One spawn for both cases: starting a process (imports of torch, timm, transformers) dominates the time.
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    for case, batch in (("", _batch(16)), ("captions", _captions_batch(16))):
+        _check_ddp(tmp_path, case, batch)
+
+
+def _check_ddp(tmp_path, case: str, batch: dict) -> None:
     model, _ = _model()
-    loss_ref, grads_ref = _run(model, [_batch(16)])
+    loss_ref, grads_ref = _run(model, [batch])
     for accum in (1, 2):
         for rank in range(2):
-            got = torch.load(tmp_path / f"out.{accum}.{rank}", weights_only=True)
+            got = torch.load(tmp_path / f"out.{case}{accum}.{rank}", weights_only=True)
             assert torch.allclose(got["loss"], loss_ref, atol=1e-5), (accum, rank)
             assert got["grads"].keys() == grads_ref.keys()
             for name, g in grads_ref.items():
