@@ -64,26 +64,27 @@ def _run(model, batches, precision="fp32", loss_fn=None):
     return loss, _grads(model)
 
 
+def _assert_accumulation_is_one_batch(model, batch, loss_fn=None) -> tuple[dict, dict]:
+    """Two micro-batches give the big batch's loss and gradients (the logit parameters' counted once)."""
+    loss_big, grads_big = _run(model, [batch], loss_fn=loss_fn)
+    loss_acc, grads_acc = _run(model, _split(batch, 2), loss_fn=loss_fn)
+    assert torch.allclose(loss_big, loss_acc, atol=1e-6)
+    assert grads_big.keys() == grads_acc.keys() and "logit_scale" in grads_big
+    for name in grads_big:   # logit_scale included: its gradient must be counted once, not twice
+        assert torch.allclose(grads_big[name], grads_acc[name], atol=1e-6, rtol=1e-5), name
+    return grads_big, grads_acc
+
+
 def test_siglip_accumulation_counts_the_bias_and_scale_gradients_once():
     model, _ = _model(overrides=["model.init_logit_bias=-10", "model.init_logit_scale=2.302585"])
-    batch = _batch(16)
-    loss_big, grads_big = _run(model, [batch], loss_fn=SigLipLoss())
-    loss_acc, grads_acc = _run(model, _split(batch, 2), loss_fn=SigLipLoss())
-    assert torch.allclose(loss_big, loss_acc, atol=1e-6)
-    assert {"logit_scale", "logit_bias"} <= grads_big.keys() and grads_big.keys() == grads_acc.keys()
-    for name in grads_big:
-        assert torch.allclose(grads_big[name], grads_acc[name], atol=1e-6, rtol=1e-5), name
+    grads_big, _ = _assert_accumulation_is_one_batch(model, _batch(16), SigLipLoss())
+    assert "logit_bias" in grads_big
 
 
 def test_accumulated_micro_batches_equal_one_big_batch():
     model, cfg = _model()
     batch = _batch(16)
-    loss_big, grads_big = _run(model, [batch])
-    loss_acc, grads_acc = _run(model, _split(batch, 2))
-    assert torch.allclose(loss_big, loss_acc, atol=1e-6)
-    assert grads_big.keys() == grads_acc.keys() and "logit_scale" in grads_big
-    for name in grads_big:   # logit_scale included: its gradient must be counted once, not twice
-        assert torch.allclose(grads_big[name], grads_acc[name], atol=1e-6, rtol=1e-5), name
+    grads_big, grads_acc = _assert_accumulation_is_one_batch(model, batch)
 
     # ... and so the AdamW update is the same. Adam's first step is about lr * sign(grad), so entries whose
     # exact gradient is zero (the attention key bias: softmax ignores a constant shift) carry only rounding
@@ -109,13 +110,7 @@ def test_accumulated_micro_batches_equal_one_big_batch():
 
 def test_accumulation_with_several_captions_per_image_equals_one_big_batch():
     model, _ = _model()
-    batch = _captions_batch(16)
-    loss_big, grads_big = _run(model, [batch])
-    loss_acc, grads_acc = _run(model, _split(batch, 2))
-    assert torch.allclose(loss_big, loss_acc, atol=1e-6)
-    assert grads_big.keys() == grads_acc.keys() and "logit_scale" in grads_big
-    for name in grads_big:
-        assert torch.allclose(grads_big[name], grads_acc[name], atol=1e-6, rtol=1e-5), name
+    _assert_accumulation_is_one_batch(model, _captions_batch(16))
 
 
 def test_accumulation_adds_negatives_unlike_gradient_averaging():
