@@ -14,7 +14,9 @@ against its own read floor, with recall@10 against float32 brute force over the 
 float16 rows' top 10 (what rounding to bf16 moves). faiss here uses
 near-copies of stored rows as queries, which flatters it: ``bench_ann_real.py`` measures approximate search on
 text-like queries. HNSW is skipped above 200k rows (its build alone takes minutes on 2 cores).
-Writes ``benchmarks/results/search.json``. On a shared machine run it with ``OPENBLAS_NUM_THREADS=1``:
+Writes ``benchmarks/results/search.json`` (``--out`` elsewhere: the README's rows for a CPU without AMX come from
+``--out benchmarks/results/search_noamx.json``; ``benchmarks/results/search_noamx_before.json`` is the same machine at
+1M rows before the many-queries pass re-scored its short list exactly, query by query). On a shared machine run it with ``OPENBLAS_NUM_THREADS=1``:
 spin-waiting BLAS threads fighting other jobs for the cores distort small products.
 """
 from __future__ import annotations
