@@ -9,7 +9,8 @@
 text width 192 / 4 layers / 3 heads / MLP 768 / vocab 8192 / 32 tokens, embed 128, linear heads; random
 tensors (model-only), same threads. The steps run interleaved, round by round, each round also timing this
 CPU's fp32 and bf16 matmul peaks, so other processes on the cores slow every column alike; medians are reported.
-Two clip_mini columns each leave out one lever (plain attention in the training pass, fused AdamW), and
+Two clip_mini columns each leave out one lever (plain attention in the training pass, fused AdamW), one adds
+``train.compile`` (the step's forward and backward through torch.compile; compiled during the warm-up rounds), and
 a last one runs open_clip under PyTorch's math SDPA backend (``sdpa_kernel(SDPBackend.MATH)``) to show how
 much of the gap is the attention kernel (see ``clip_mini/kernels.py``). Skipped with a message when
 ``open_clip_torch`` (extra ``bench``) is missing.
@@ -50,11 +51,12 @@ FLICKR8K = ROOT.parent / "shared/data/flickr8k/captions.csv"
 PEER_VOCAB, PEER_TOKENS, PEER_IMAGE = 8192, 32, 64
 
 
-def _clip_mini_step(batch_size: int, lever_off: str | None = None):
+def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: bool = False):
     """clip_mini's training step at the peer size, as ``train.loop`` runs it; returns (step, flop-counted pass).
 
     ``lever_off``: run it without one speed lever, to measure what that lever gives: ``"plain_attention"`` (the
     fused SDPA kernel in the training pass too) or ``"fused_adamw"`` (AdamW's default foreach implementation).
+    ``compiled``: with ``train.compile`` on (the forward and backward through torch.compile, ``CompiledStep``).
     """
     from contextlib import ExitStack
     from unittest import mock
@@ -76,6 +78,10 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None):
     if lever_off == "fused_adamw":
         optimizer = torch.optim.AdamW(param_groups(model, t), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     features, loss_fn, cpu = FeatureModel(model), ClipLoss(), torch.device("cpu")
+    if compiled:
+        from clip_mini.compile_pass import CompiledStep
+
+        features = CompiledStep(features)
     set_train_mode(model, True)
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(1)
@@ -159,10 +165,13 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
     arms = {"clip_mini": _clip_mini_step(batch_size),
             "clip_mini_without_plain_attention": _clip_mini_step(batch_size, "plain_attention"),
             "clip_mini_without_fused_adamw": _clip_mini_step(batch_size, "fused_adamw"),
+            "clip_mini_compiled": _clip_mini_step(batch_size, compiled=True),
             "open_clip": _open_clip_step(batch_size),
             "open_clip_math_sdpa": _open_clip_step(batch_size, math_sdpa=True)}
-    flops = {name: _flops(counted) for name, (_, counted) in arms.items()}
-    for _ in range(warmup):
+    # the compiled arm does the same arithmetic; FlopCounterMode cannot see inside an inductor graph
+    flops = {name: _flops(counted) for name, (_, counted) in arms.items() if name != "clip_mini_compiled"}
+    flops["clip_mini_compiled"] = flops["clip_mini"]
+    for _ in range(warmup):   # the compiled arm compiles here
         for step, _ in arms.values():
             step()
     times: dict[str, list] = {name: [] for name in arms}
@@ -187,6 +196,8 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
     out["speedup_vs_open_clip_math_sdpa"] = out["open_clip_math_sdpa"]["step_s"] / out["clip_mini"]["step_s"]
     out["plain_attention_gain"] = out["clip_mini_without_plain_attention"]["step_s"] / out["clip_mini"]["step_s"]
     out["fused_adamw_gain"] = out["clip_mini_without_fused_adamw"]["step_s"] / out["clip_mini"]["step_s"]
+    out["compile_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_compiled"]["step_s"]
+    out["compiled_speedup_vs_open_clip"] = out["open_clip"]["step_s"] / out["clip_mini_compiled"]["step_s"]
     return out
 
 

@@ -1,4 +1,5 @@
-"""``torch.compile`` for a long gradient-free tower pass (``train.compile_tower``: the frozen-feature pass).
+"""``torch.compile`` for a long gradient-free tower pass (``train.compile_tower``: the frozen-feature pass), and for
+the training step's forward and backward (``train.compile``, ``CompiledStep`` below).
 
 Inductor with ``freezing``: the tower's weights are folded into the graph as constants, which lets it prepack the
 linear layers' weights for oneDNN and fuse the element-wise work around them (norms, activations, residual adds)
@@ -18,9 +19,11 @@ Two things keep it from costing more than it gives:
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 
 class CompiledPass:
@@ -51,3 +54,46 @@ class CompiledPass:
             return self.eager(x, *args)
         self.state = "compiled"
         return out
+
+
+class CompiledStep(nn.Module):
+    """The trainer's feature module (``FeatureModel``, or DDP around it) through ``torch.compile`` (``train.compile``).
+
+    Inductor fuses the element-wise work between the matrix products (norms, GELU, residual adds, the autocast
+    casts) in the forward and in the backward AOTAutograd derives from it. Measured at open_clip's tiny-CLIP size
+    on a CPU without AMX (``benchmarks/bench_train.py``, arm ``clip_mini_compiled``); it costs seconds to tens of
+    seconds of compilation per input shape (the full batch, a shorter last batch, the gradient-free first pass of
+    accumulation), so it pays only over a run of many steps and is off by default.
+
+    The same fallback as ``CompiledPass``: if the first compiled call fails (no C++ compiler, an inductor
+    limitation) a warning names the reason and training carries on eagerly; the weights are the module's own, so
+    checkpoints and the optimiser see no difference. Dropout under inductor draws its masks from a seed taken
+    from torch's generator, so accumulation's restore-the-RNG re-forward still reproduces them
+    (``tests/test_train_compile.py``)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.eager = module
+        # not a submodule: the same parameters must not be reached twice (DDP, parameters())
+        object.__setattr__(self, "compiled", torch.compile(module, dynamic=False))
+        self.state = "new"   # new -> compiled (the first call worked) | eager (it failed)
+
+    def forward(self, *args):
+        if self.state == "eager":
+            return self.eager(*args)
+        try:
+            out = self.compiled(*args)
+        except Exception as e:
+            if self.state == "compiled":   # it compiled and ran before: a real error, not a missing compiler
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            warnings.warn(f"torch.compile of the training step failed ({type(e).__name__}: {first}); training "
+                          "eagerly", RuntimeWarning, stacklevel=2)
+            self.state = "eager"
+            return self.eager(*args)
+        self.state = "compiled"
+        return out
+
+    def no_sync(self):
+        """DDP's ``no_sync`` when the compiled module is DDP (accumulation's non-final micro-batches), else nothing."""
+        return self.eager.no_sync() if hasattr(self.eager, "no_sync") else nullcontext()

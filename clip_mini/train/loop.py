@@ -93,6 +93,10 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     if info.distributed:
         features = torch.nn.parallel.DistributedDataParallel(
             features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    if t.compile:
+        from clip_mini.compile_pass import CompiledStep
+
+        features = CompiledStep(features)
     loss_fn = SigLipLoss() if t.loss == "siglip" else ClipLoss(t.label_smoothing)
     truncated = report_truncation(model.tokenizer, splits["train"]["caption"].astype(str).tolist(),
                                   model.cfg.text.max_length, "train")   # one line if any caption is cut
