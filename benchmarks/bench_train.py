@@ -1,6 +1,7 @@
 """Speed of a full training step: clip_mini against open_clip at equal size, and the tiny and flickr8k configs.
 
-    python benchmarks/bench_train.py [--rounds 8] [--peer-batches 128 64] [--configs tiny flickr8k flickr8k-pixels]
+    python benchmarks/bench_train.py [--rounds 8] [--peer-batches 128 64]
+        [--configs tiny flickr8k flickr8k-pixels flickr8k-compiled]
 
 **Peer** (``peer`` in the JSON): clip_mini's own step (``forward_backward``, its AdamW groups, gradient clipping,
 ``optimizer.step``, the logit-scale clamp) against open_clip's (``open_clip.CLIP`` built as
@@ -18,7 +19,8 @@ much of the gap is the attention kernel (see ``clip_mini/kernels.py``). Skipped 
 **Configs**: real batches from the real loader (cache on, as in training), ``forward_backward`` + gradient
 clipping + ``optimizer.step`` timed step by step. ``flickr8k`` trains on precomputed features of its locked image
 tower (``train.frozen_features``): its step is the image head, the text tower and the loss, and the one-time
-pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step.
+pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step;
+``flickr8k-compiled`` the same step with ``train.compile`` (timed after 4 more warm-up steps, which compile).
 
 FLOPs of one step are counted by ``torch.utils.flop_counter`` (matrix products, convolutions and attention,
 forward and backward; AdamW's element-wise work is not counted); achieved GFLOP/s are read against the fp32
@@ -218,6 +220,8 @@ def _config(name: str, tmp: Path):
         overrides.append(f"data.captions={FLICKR8K}")
         if name == "flickr8k-pixels":   # the same model with the locked tower run at every step
             overrides.append("train.frozen_features=0")
+        if name == "flickr8k-compiled":   # the same step through torch.compile (train.compile)
+            overrides.append("train.compile=true")
     return load_config(ROOT / f"configs/{name.split('-')[0]}.yaml", overrides)
 
 
@@ -238,6 +242,12 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
     freeze_towers(model)
     optimizer = build_optimizer(model, t)
     features, loss_fn, device = FeatureModel(model), ClipLoss(), torch.device("cpu")
+    eager_features = features   # FLOPs are counted eagerly: FlopCounterMode cannot see inside an inductor graph
+    if t.compile:
+        from clip_mini.compile_pass import CompiledStep
+
+        features = CompiledStep(features)
+        warmup += 4   # compiled at the first batch and again at the first other caption length
     cache = make_image_cache(cfg, model.preprocess, splits)
     feature_pass = None
     if t.frozen_features:
@@ -270,7 +280,7 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
             waits.append(t1 - t0)
             totals.append(time.perf_counter() - t0)
     with FlopCounterMode(display=False) as counter:
-        forward_backward(features, micro, loss_fn, device, t.precision)
+        forward_backward(eager_features, micro, loss_fn, device, t.precision)
     optimizer.zero_grad(set_to_none=True)
     flops = counter.get_total_flops()
     pairs = t.batch_size * t.accum_freq
@@ -283,7 +293,7 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
         "trainable_params": sum(p.numel() for p in params), "step_s": step_s, "pairs_per_s": pairs / step_s,
         "gflop_per_step": flops / 1e9, "achieved_gflops": flops / 1e9 / step_s,
         "data_wait_fraction": sum(waits) / sum(totals), "image_cache": cache is not None,
-        "data_workers": cfg.data.workers, "frozen_features": t.frozen_features,
+        "data_workers": cfg.data.workers, "frozen_features": t.frozen_features, "compiled": t.compile,
         "frozen_feature_pass": feature_pass, "steps_timed": len(totals),
     }
 
@@ -321,7 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=8, help="interleaved peer rounds per batch size")
     p.add_argument("--peer-batches", type=int, nargs="*", default=[128, 64], help="none: skip the peer")
     p.add_argument("--configs", nargs="*", default=["tiny", "flickr8k", "flickr8k-pixels"],
-                   help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0")
+                   help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0; "
+                   "flickr8k-compiled: with train.compile=true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)

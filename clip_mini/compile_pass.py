@@ -62,8 +62,9 @@ class CompiledStep(nn.Module):
     Inductor fuses the element-wise work between the matrix products (norms, GELU, residual adds, the autocast
     casts) in the forward and in the backward AOTAutograd derives from it. Measured at open_clip's tiny-CLIP size
     on a CPU without AMX (``benchmarks/bench_train.py``, arm ``clip_mini_compiled``); it costs seconds to tens of
-    seconds of compilation per input shape (the full batch, a shorter last batch, the gradient-free first pass of
-    accumulation), so it pays only over a run of many steps and is off by default.
+    seconds of compilation for the first batch, again for the first batch of another shape (then compiled for any
+    length), and for accumulation's gradient-free first pass, so it pays only over a run of many steps and is off by
+    default.
 
     The same fallback as ``CompiledPass``: if the first compiled call fails (no C++ compiler, an inductor
     limitation) a warning names the reason and training carries on eagerly; the weights are the module's own, so
@@ -74,8 +75,11 @@ class CompiledStep(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self.eager = module
-        # not a submodule: the same parameters must not be reached twice (DDP, parameters())
-        object.__setattr__(self, "compiled", torch.compile(module, dynamic=False))
+        # Not a submodule: the same parameters must not be reached twice (DDP, parameters()). Shapes are not
+        # fixed: captions are padded to the longest of their batch, so the sequence length changes from step to
+        # step. torch.compile's automatic dynamic shapes recompile once, on the first change, for any length;
+        # dynamic=False would recompile for every new length (~10 s each here).
+        object.__setattr__(self, "compiled", torch.compile(module))
         self.state = "new"   # new -> compiled (the first call worked) | eager (it failed)
 
     def forward(self, *args):

@@ -49,6 +49,25 @@ def test_compiled_step_matches_eager_and_accumulates_like_one_batch():
 
 
 @needs_compiler
+def test_caption_lengths_do_not_recompile_every_step():
+    # captions are padded to the longest of their batch: the second length compiles a graph for any length
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, _ = _model()
+    compiled = CompiledStep(FeatureModel(model))
+    graphs = []
+    for length in (7, 5, 6, 4, 3):
+        b = _batch(16)
+        b["input_ids"], b["attention_mask"] = b["input_ids"][:, :length], b["attention_mask"][:, :length]
+        eager = _step(FeatureModel(model), model, [b])
+        _assert_close(_step(compiled, model, [b]), eager)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] > graphs[0] and graphs[-1] == graphs[1], graphs
+
+
+@needs_compiler
 def test_compiled_re_forward_replays_dropout_masks():
     model, _ = _model(overrides=["model.text.dropout=0.3", "model.head_dropout=0.3"])
     model.train()
