@@ -166,9 +166,9 @@ class TrainConfig:
     # compile, then ~1.12x on a CPU without AMX (benchmarks/results/compile_noamx.json); eager if compiling fails
     compile_tower: bool = False
     # the training step's forward and backward through torch.compile (inductor; clip_mini/compile_pass.py
-    # CompiledStep): seconds to tens of seconds of compilation per batch shape, then a faster step where the
-    # element-wise work between the matrix products matters (benchmarks/bench_train.py, arm clip_mini_compiled);
-    # eager if compiling fails
+    # CompiledStep): tens of seconds of compilation (the first batch, then once more for any other caption
+    # length), then 1.06-1.11x on the tiny-CLIP step and no gain on the flickr8k step on a CPU without AMX
+    # (benchmarks/results/train_noamx.json); eager if compiling fails
     compile: bool = False
     # share of each contrastive target spread over the batch (0: none); measured on the val split in
     # benchmarks/results/features_loss.json
