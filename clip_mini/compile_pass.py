@@ -26,6 +26,12 @@ import torch
 import torch.nn as nn
 
 
+def _warn_failed(what: str, e: Exception, then: str) -> None:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    warnings.warn(f"torch.compile of {what} failed ({type(e).__name__}: {first}); {then}", RuntimeWarning,
+                  stacklevel=3)
+
+
 class CompiledPass:
     """``fn(x, *args)`` (a tower's forward or ``forward_prefix``) compiled once for ``x``'s first batch size."""
 
@@ -47,9 +53,7 @@ class CompiledPass:
         except Exception as e:   # no C++ compiler, an inductor limitation: the eager pass gives the same results
             if self.state == "compiled":   # it compiled and ran before: a real error, not a missing compiler
                 raise
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            warnings.warn(f"torch.compile of {self.what} failed ({type(e).__name__}: {first}); running it eagerly",
-                          RuntimeWarning, stacklevel=2)
+            _warn_failed(self.what, e, "running it eagerly")
             self.state = "eager"
             return self.eager(x, *args)
         self.state = "compiled"
@@ -90,9 +94,7 @@ class CompiledStep(nn.Module):
         except Exception as e:
             if self.state == "compiled":   # it compiled and ran before: a real error, not a missing compiler
                 raise
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            warnings.warn(f"torch.compile of the training step failed ({type(e).__name__}: {first}); training "
-                          "eagerly", RuntimeWarning, stacklevel=2)
+            _warn_failed("the training step", e, "training eagerly")
             self.state = "eager"
             return self.eager(*args)
         self.state = "compiled"
