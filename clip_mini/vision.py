@@ -108,6 +108,10 @@ class ImageEncoder(nn.Module):
         return torch.cat([features, other.to(features.dtype)], dim=-1)   # (B, width)
 
     def _forward_own(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.cfg.backbone == "vit" and self.cfg.trainable_blocks:
+            # the same path as the stored token states take: patch tokens are dropped where the trainable blocks
+            # start (model.vision.patch_drop), whether or not train.frozen_features stored the prefix
+            return self.forward_suffix(self.forward_prefix(pixels))
         self._pick_attention(pixels)
         if self.cfg.pooling == "cls_mean":
             tokens = self.trunk.forward_features(pixels)                  # (B, prefix + N, D), final-normed
@@ -158,20 +162,25 @@ class ImageEncoder(nn.Module):
         """Token states after the frozen blocks: (B, 3, H, W) -> (B, prefix + N_patches, D).
 
         The same operations as timm's ``forward_features`` up to block ``depth - k``, so
-        ``forward_suffix(forward_prefix(x)) == forward(x)``.
+        ``forward_suffix(forward_prefix(x)) == forward(x)``; no patch dropout here (``forward_suffix`` drops).
         """
         t, split = self.trunk, self.prefix_depth(trainable_blocks)
         self._pick_attention(pixels)
-        x = t.norm_pre(t.patch_drop(t._pos_embed(t.patch_embed(pixels))))
+        x = t.norm_pre(t._pos_embed(t.patch_embed(pixels)))
         for block in t.blocks[:split]:
             x = block(x)
         return x
 
     def forward_suffix(self, tokens: torch.Tensor, trainable_blocks: int | None = None) -> torch.Tensor:
-        """The last ``k`` blocks, the final norm and the pooling: (B, T, D) token states -> (B, width)."""
+        """The last ``k`` blocks, the final norm and the pooling: (B, T, D) token states -> (B, width).
+
+        In training, ``model.vision.patch_drop`` drops that share of the patch tokens here, at the entry of the
+        trainable blocks: the stored prefix states stay whole, and only the blocks that train (the cost of a
+        step) run on fewer tokens.
+        """
         t, split = self.trunk, self.prefix_depth(trainable_blocks)
         # a bf16 store is widened to the weights' dtype: the pixel path's residual stream is fp32 under autocast
-        x = tokens.to(t.pos_embed.dtype)
+        x = t.patch_drop(tokens.to(t.pos_embed.dtype))
         self._pick_attention(x)
         if self.cfg.pooling == "cls4_mean":
             return self._blocks_and_pool(x, split)

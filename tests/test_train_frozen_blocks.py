@@ -44,6 +44,30 @@ def test_suffix_of_prefix_is_the_tower(pooling):
         enc.forward_prefix(pixels, 5)
 
 
+def test_patch_drop_thins_only_the_trainable_blocks_and_both_paths_drop_alike():
+    cfg = dict(image_size=28, patch_size=7, width=48, depth=3, heads=2, init_values=0.5, trainable_blocks=1)
+    torch.manual_seed(0)
+    dropping = ImageEncoder(VisionConfig(patch_drop=0.5, **cfg))
+    plain = ImageEncoder(VisionConfig(**cfg))
+    plain.load_state_dict(dropping.state_dict())
+    seen = []
+    for block in dropping.trunk.blocks:
+        block.register_forward_hook(lambda m, i, o: seen.append(o.shape[1]))
+    pixels = torch.randn(3, 3, 28, 28)
+    dropping.train()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        from_pixels = dropping(pixels)
+        assert seen == [1 + 16, 1 + 16, 1 + 8]   # the locked prefix sees every patch, the trainable block half
+        torch.manual_seed(1)   # the stored-token path (train.frozen_features) drops the same tokens
+        torch.testing.assert_close(dropping.forward_suffix(dropping.forward_prefix(pixels)), from_pixels,
+                                   rtol=0, atol=0)
+        assert not torch.allclose(dropping(pixels), from_pixels)   # a new subset each forward
+        dropping.eval(), plain.eval()
+        torch.testing.assert_close(dropping(pixels), plain(pixels), rtol=0, atol=0)   # evaluation: every token
+    assert seen[-3:] == [1 + 16, 1 + 16, 1 + 16]
+
+
 def test_config_checks_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"model.vision.trainable_blocks must be in \[0, model.vision.depth=2\]"):
         load_config(None, TINY + ["model.vision.trainable_blocks=3"])
