@@ -103,6 +103,23 @@ def test_only_the_last_blocks_train_and_get_gradients(shapes, tmp_path):
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n
 
 
+def test_the_trainers_train_mode_drops_tokens_in_the_trainable_blocks(shapes, tmp_path):
+    # set_train_mode keeps the locked prefix in eval mode; the patch dropout, a module of the trunk outside every
+    # block, must still be on, or model.vision.patch_drop silently does nothing in training
+    cfg = _cfg(shapes, tmp_path / "run", "model.vision.patch_drop=0.5")
+    model, _ = _model(cfg, tmp_path / "run")
+    freeze_towers(model)
+    seen = []
+    model.visual.trunk.blocks[1].register_forward_hook(lambda m, i, o: seen.append(o.shape[1]))
+    tokens = torch.randn(4, 17, 64)
+    set_train_mode(model, True)
+    assert not model.visual.trunk.blocks[0].training
+    model.visual.forward_suffix(tokens)
+    set_train_mode(model, False)
+    model.visual.forward_suffix(tokens)
+    assert seen == [1 + 8, 1 + 16]
+
+
 def test_store_holds_prefix_tokens_keyed_on_the_locked_weights(shapes, tmp_path, monkeypatch):
     cfg = _cfg(shapes, tmp_path / "run", "train.frozen_features=2", "train.precision=fp32")
     run = tmp_path / "run"

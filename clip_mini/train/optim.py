@@ -51,6 +51,7 @@ def set_train_mode(model: nn.Module, training: bool = True) -> None:
             model.visual.eval()
             for block in model.visual.trunk.blocks[model.visual.prefix_depth():]:
                 block.train()
+            model.visual.trunk.patch_drop.train()   # model.vision.patch_drop thins the trainable blocks' tokens
 
 
 def _no_decay(name: str, param: nn.Parameter) -> bool:
