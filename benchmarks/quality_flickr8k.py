@@ -43,6 +43,8 @@ training run in three pieces (benchmarks/train_pause.py):
   4. resume for 40% of the remaining steps and fit ``train.epochs`` again from that piece's step time and
      evaluations (this CPU's speed drifts within a run; the cosine is stretched from there on), and resume to
      the end. The run is stopped (SIGTERM) if it still runs into the test-score reserve.
+``--fit steps`` fits ``train.max_steps`` as well, so the last epoch may be cut short (and is evaluated like the
+others): whole epochs leave up to an epoch of the budget unused, a fifth of it when an epoch takes 3 minutes.
 The paused steps are part of the run, not thrown away: they fall in the warmup, whose learning rate does not
 depend on the schedule length (so the variant needs train.warmup_steps >= 3L). ``--epochs N`` fixes the schedule
 instead (one piece, no timing; 10% of the budget is kept for the test scores). The load average is sampled and
@@ -311,40 +313,68 @@ def fit_epochs(time_left: float, step_s: float, eval_s: float, steps_per_epoch: 
     return max(1, math.ceil(done / steps_per_epoch), int(fit))
 
 
-def refit(base: list[str], run: Path, log: Path, info: dict, epochs: int, t0: float, budget_s: float,
-          reserve: float, loads: list[float], eval_s: float) -> int:
+def fit_steps(time_left: float, step_s: float, eval_s: float, steps_per_epoch: int, done: int) -> int:
+    """Steps (in all) whose remaining steps and evaluations fit ``time_left`` seconds, the last epoch possibly cut
+    short (``--fit steps``): every epoch that ends is evaluated, and so is the cut one."""
+    left, total = 0.97 * time_left, done
+    while True:
+        nxt = total + 1
+        evals = math.ceil(nxt / steps_per_epoch) - done // steps_per_epoch
+        if (nxt - done) * step_s + evals * eval_s > left:
+            return max(total, done + 1)
+        total = nxt
+
+
+def fit_schedule(fit: str, time_left: float, step_s: float, eval_s: float, steps_per_epoch: int,
+                 done: int) -> tuple[int, int | None]:
+    """``(train.epochs, train.max_steps)`` for ``--fit``: whole epochs (max_steps None) or steps."""
+    if fit == "epochs":
+        return fit_epochs(time_left, step_s, eval_s, steps_per_epoch, done), None
+    steps = fit_steps(time_left, step_s, eval_s, steps_per_epoch, done)
+    return math.ceil(steps / steps_per_epoch), steps
+
+
+def schedule_sets(epochs: int, steps: int | None) -> list[str]:
+    return ["--set", f"train.epochs={epochs}"] + ([] if steps is None else ["--set", f"train.max_steps={steps}"])
+
+
+def refit(base: list[str], run: Path, log: Path, info: dict, plan: tuple[int, int | None], t0: float,
+          budget_s: float, reserve: float, loads: list[float], eval_s: float, fit: str) -> tuple[int, int | None]:
     """Run the first ``REFIT_SHARE`` of the fitted schedule's remaining steps, then fit ``train.epochs`` again from
-    that piece's own step time and evaluations; returns the new epoch count (``info`` records both fits).
+    that piece's own step time and evaluations; returns the new ``(epochs, max_steps)`` plan (``info`` records both
+    fits).
 
     This CPU's speed drifts within a run (its fp32 probe read 130 GFLOP/s before one variant and 184 after), so a
     schedule sized on the second piece's 4L steps alone left a tenth of the budget unused. The cosine is stretched
     (or shrunk) from the re-fit step on: the learning rate moves once, by a few percent.
     """
     spe, done = info["steps_per_epoch"], info["timed_steps"]
-    at = done + int(REFIT_SHARE * (epochs * spe - done))
+    epochs, total = plan
+    at = done + int(REFIT_SHARE * ((total or epochs * spe) - done))
     if at - done < 2 * spe:   # too short a schedule to measure again
-        return epochs
+        return plan
     tick = time.time()
-    rc, stopped = run_until(base + ["--set", f"train.epochs={epochs}", "--stop-after", str(at), "--resume"], log,
+    rc, stopped = run_until(base + schedule_sets(*plan) + ["--stop-after", str(at), "--resume"], log,
                             t0 + budget_s - reserve, loads)
+    first_fit = {"epochs_first_fit": epochs, **({} if total is None else {"steps_first_fit": total})}
     if stopped:   # fell behind the first fit: the checkpoints are on disk, the last resume finishes the schedule
-        info.update(refit={"at_step": at, "stopped": True, "epochs_first_fit": epochs})
-        return epochs
+        info.update(refit={"at_step": at, "stopped": True, **first_fit})
+        return plan
     _check(rc, False, "the re-fit piece", log)
     rows = _rows(run)
     steps = [r for r in rows if r.get("kind") == "step" and done < r["step"] <= at]
     if not steps:
-        return epochs
+        return plan
     evals = [r["eval_s"] for r in rows if r.get("kind") == "epoch" and done < r["step"] <= at]
     settled = [r["pairs_per_s"] for r in steps[1:]] or [steps[-1]["pairs_per_s"]]
     step_s = info["batch"] / statistics.median(settled)
     if evals:
         eval_s = statistics.median(evals) + info["epoch_writes_s"]
     time_left = budget_s - (time.time() - t0) - reserve - info["resume_setup_s"]
-    new = fit_epochs(time_left, step_s, eval_s, spe, at)
+    new = fit_schedule(fit, time_left, step_s, eval_s, spe, at)
     info.update(refit={"at_step": at, "piece_s": round(time.time() - tick, 1), "step_s": round(step_s, 3),
-                       "eval_s": round(eval_s, 1), "time_left_s": round(time_left, 1), "epochs_first_fit": epochs,
-                       "epochs": new})
+                       "eval_s": round(eval_s, 1), "time_left_s": round(time_left, 1), **first_fit,
+                       "epochs": new[0], **({} if new[1] is None else {"steps": new[1]})})
     return new
 
 
@@ -360,7 +390,8 @@ def _probe_facts(run: Path, log: Path) -> dict:
             "eval_s": evals[0]["eval_s"], "setup_s": evals[0]["time_s"] - evals[0]["eval_s"], "rows": rows}
 
 
-def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int) -> dict:
+def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int,
+                fit: str = "epochs") -> dict:
     from clip_mini.config import load_config
 
     t0, loads = time.time(), []
@@ -380,6 +411,7 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
     base = [sys.executable, "benchmarks/train_pause.py", "--config", str(v.config)]
     base += [a for s in sets for a in ("--set", s)]
     info: dict = {}
+    plan: tuple[int, int | None] = (epochs, None)
     if epochs:
         reserve = TEST_RESERVE_NO_PROBE * budget_s
     else:
@@ -402,8 +434,8 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
         timed = time_reserve(run, out_root / f"{v.name}_probe_model")
         reserve = 2 * timed["test_score_s"] + timed["export_s"] + STOP_S
         time_left = budget_s - (time.time() - t0) - reserve - resume_setup
-        epochs = fit_epochs(time_left, step_s, first["eval_s"] + timed["epoch_writes_s"], first["steps_per_epoch"],
-                            p2)
+        plan = fit_schedule(fit, time_left, step_s, first["eval_s"] + timed["epoch_writes_s"],
+                            first["steps_per_epoch"], p2)
         info = {"timed_steps": p2, "first_piece_setup_s": round(first["setup_s"], 1),
                 "resume_setup_s": round(resume_setup, 1), "step_s": round(step_s, 3),
                 "val_eval_s": round(first["eval_s"], 1), **{k: round(x, 1) for k, x in timed.items()},
@@ -411,11 +443,12 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
                 "steps_per_epoch": first["steps_per_epoch"], "train_images": first["train_images"],
                 "batch": first["batch"]}
         if time_left > 0:
-            epochs = refit(base, run, log, info, epochs, t0, budget_s, reserve, loads,
-                           first["eval_s"] + timed["epoch_writes_s"])
+            plan = refit(base, run, log, info, plan, t0, budget_s, reserve, loads,
+                         first["eval_s"] + timed["epoch_writes_s"], fit)
+    epochs = plan[0]
     # the run itself (resumed after the timed pieces): stopped if it reaches the test-score reserve
     cmd = [sys.executable, "train.py", "--config", str(v.config)] + [a for s in sets for a in ("--set", s)]
-    cmd += ["--set", f"train.epochs={epochs}"] + ([] if not info else ["--resume", "auto"])
+    cmd += schedule_sets(*plan) + ([] if not info else ["--resume", "auto"])
     if info and time_left <= 0:   # the timed pieces used the budget: their checkpoint is the final model
         print(f"quality: variant {v.name}: no time left after the timed pieces; reporting their checkpoint")
         rc, stopped, cmd = 0, True, []
@@ -427,7 +460,8 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
     scores = score_best_and_final(run)
     wall = time.time() - t0
     return {"variant": v.name, "config": os.path.relpath(v.config, ROOT), "overrides": v.overrides,
-            "extra": common, "epochs_planned": epochs, "epochs_done": max((r["epoch"] for r in epoch_rows), default=0),
+            "extra": common, "fit": fit, "epochs_planned": epochs,
+            **({} if plan[1] is None else {"steps_planned": plan[1]}), "epochs_done": max((r["epoch"] for r in epoch_rows), default=0),
             "val_curve": [{"epoch": r["epoch"], "step": r["step"], "rsum": round(r["val_rsum"], 4),
                            "t2i_r5": round(r["val_t2i_r5"], 4)} for r in epoch_rows if "val_rsum" in r],
             "stopped_at_reserve": stopped, "cache_warmup": warm, **info, **scores, "budget_s": budget_s,
@@ -526,6 +560,9 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="a,b,c,d,openclip",
                    help="comma list of a-o, openclip, vit, p, NAME=CONFIG")
     p.add_argument("--epochs", type=int, default=0, help="fix the schedule length (default: fitted to the budget)")
+    p.add_argument("--fit", choices=("epochs", "steps"), default="epochs",
+                   help="fit whole epochs to the budget (the default, as every earlier result), or steps: the last "
+                        "epoch may be cut short, so the budget left over by whole epochs (up to one epoch) trains too")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
     p.add_argument("--out", default=str(ROOT / "runs/quality"))
@@ -548,7 +585,7 @@ def main(argv=None) -> None:
         before = machine_gflops()
         try:
             results.append(run_peer(v, common, out_root, budget_s) if v.is_peer
-                           else run_trainer(v, common, out_root, budget_s, args.epochs))
+                           else run_trainer(v, common, out_root, budget_s, args.epochs, args.fit))
         except BudgetError as e:
             print(f"quality: variant {v.name}: {e}", file=sys.stderr)
             results.append({"variant": v.name, "error": str(e)})

@@ -72,6 +72,23 @@ def test_fit_epochs_fits_the_time_left():
     assert qf.fit_epochs(-30, 1.0, 5.0, 10, 25) == 3
 
 
+def test_fit_steps_cuts_the_last_epoch_short_to_use_the_budget():
+    # 10 steps/epoch of 1 s, 5 s per evaluation, 6 steps done: 6 whole epochs (84 s) leave 13 s of the 97 usable;
+    # steps 61-68 and their evaluation fit in them
+    assert qf.fit_steps(100, 1.0, 5.0, 10, 6) == 68
+    assert qf.fit_schedule("steps", 100, 1.0, 5.0, 10, 6) == (7, 68)
+    assert qf.fit_schedule("epochs", 100, 1.0, 5.0, 10, 6) == (6, None)
+    for left in (20, 50, 100, 400):
+        s = qf.fit_steps(left, 1.0, 5.0, 10, 6)
+        evals = -(-s // 10)   # every epoch that ends and the cut last one
+        assert (s - 6) * 1.0 + evals * 5.0 <= 0.97 * left
+        assert (s + 1 - 6) * 1.0 + -(-(s + 1) // 10) * 5.0 > 0.97 * left   # one step more would not fit
+        assert s >= 10 * qf.fit_epochs(left, 1.0, 5.0, 10, 6) or left < 20
+    assert qf.fit_steps(-30, 1.0, 5.0, 10, 6) == 7   # nothing fits: one step more, then stop
+    assert qf.schedule_sets(7, 68) == ["--set", "train.epochs=7", "--set", "train.max_steps=68"]
+    assert qf.schedule_sets(6, None) == ["--set", "train.epochs=6"]
+
+
 def test_peer_fit_steps():
     # 10 steps/epoch of 1 s, 5 s per evaluation, 8 steps done: 7 epochs = 62 s of steps + 35 s of evaluations
     assert openclip_peer.fit_steps(100, 1.0, 5.0, 10, 8) == 70
@@ -88,10 +105,11 @@ def test_limit_images_writes_a_subset_and_scales_the_split(shapes, tmp_path):
     assert got["data.val"] == str(round(500 * 50 / 200)) and got["data.test"] == str(round(1000 * 50 / 200))
 
 
-def _bench(shapes: Path, tmp_path: Path, variants: str, minutes: float) -> tuple[dict, subprocess.CompletedProcess]:
+def _bench(shapes: Path, tmp_path: Path, variants: str, minutes: float, *args: str
+           ) -> tuple[dict, subprocess.CompletedProcess]:
     result = tmp_path / "quality.json"
     cmd = [sys.executable, "benchmarks/quality_flickr8k.py", "--variants", variants, "--budget-min", str(minutes),
-           "--captions", str(shapes), "--out", str(tmp_path / "runs"), "--result", str(result)]
+           "--captions", str(shapes), "--out", str(tmp_path / "runs"), "--result", str(result), *args]
     cmd += [a for s in TINY + [f"data.cache_dir={tmp_path / 'cache'}"] for a in ("--set", s)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                           timeout=minutes * 60 * 2 + 60)
@@ -105,7 +123,7 @@ def _has_numbers(scores: dict) -> bool:
 
 @pytest.mark.slow
 def test_trainer_variant_reports_test_for_best_and_final_within_budget(shapes, tmp_path):
-    report, proc = _bench(shapes, tmp_path, "a", 1.0)
+    report, proc = _bench(shapes, tmp_path, "a", 1.0, "--fit", "steps")
     assert report["reported_split"] == "test" and "TEST split" in proc.stdout
     (r,) = report["results"]
     assert "error" not in r, r
@@ -123,6 +141,11 @@ def test_trainer_variant_reports_test_for_best_and_final_within_budget(shapes, t
     refit = r["refit"]
     assert refit["at_step"] > r["timed_steps"] and not refit.get("stopped"), refit
     assert r["epochs_planned"] == refit["epochs"] and refit["step_s"] > 0
+    # --fit steps: the run trained the re-fitted number of steps (the last epoch possibly cut short) unless the
+    # reserve stopped it, and every epoch it ended was evaluated
+    assert r["fit"] == "steps" and r["steps_planned"] == refit["steps"]
+    assert r["epochs_planned"] == -(-r["steps_planned"] // r["steps_per_epoch"])
+    assert r["stopped_at_reserve"] or r["final"]["step"] == r["steps_planned"]
     curve = r["val_curve"]
     assert [c["epoch"] for c in curve] == list(range(1, r["epochs_done"] + 1)) and 0 <= curve[-1]["rsum"] <= 6
 
