@@ -17,7 +17,7 @@ import clip_mini
 from clip_mini.retrieval.onnx_export import INDEX, ONNX_DIR, OnnxError, ensure_onnx
 from clip_mini.retrieval.query import ImageQueryEncoder, QueryEncoderError, TextQueryEncoder
 
-from conftest import FLICKR8K, make_model_dir
+from conftest import FLICKR8K, TINY, make_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTIONS = ["a red circle", "A Small BLUE square at the top left, next to a green star!",
@@ -29,6 +29,26 @@ def exported(tmp_path_factory, request) -> Path:
     model_dir = make_model_dir(tmp_path_factory.mktemp("onnx") / "m", seed=3, head=request.param)
     ensure_onnx(model_dir, "text")
     return model_dir
+
+
+def test_image_graph_of_a_partly_locked_cls_mean_vit_matches_torch(tmp_path):
+    """The tower of configs/flickr8k-vit.yaml, in small: a locked block prefix, trainable blocks that drop patch
+    tokens in training, [CLS ; patch mean] read-out. The graph is the eval forward: every token kept."""
+    import torch
+
+    from clip_mini.model import CLIPModel
+
+    vision = {**TINY["vision"], "pooling": "cls_mean", "trainable_blocks": 1, "patch_drop": 0.5}
+    model_dir = make_model_dir(tmp_path / "m", seed=4, vision=vision)
+    model = CLIPModel.from_pretrained(model_dir).eval()
+    pixels = torch.randn(3, 3, model.preprocess.image_size, model.preprocess.image_size)
+    with torch.no_grad():
+        ref = model.encode_image(pixels).numpy()
+        model.train()
+        dropped = model.encode_image(pixels).numpy()   # the same weights, tokens dropped: the graph must not be this
+    got = ImageQueryEncoder.load(model_dir).session.run(None, {"pixels": pixels.numpy()})[0]
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+    assert np.abs(got - dropped).max() > 1e-3
 
 
 def _images(n: int, seed: int = 0) -> list[np.ndarray]:
