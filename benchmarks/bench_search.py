@@ -8,7 +8,9 @@ memory-mapped, as ``EmbeddingIndex`` does. Queries are random unit vectors. Repo
 byte); ``exact_search`` with its numpy kernel (what a one-shot CLI query uses) and its torch kernel (approximate
 pass + exact re-scoring), for 1 and 64 queries, with recall@10 of the torch kernel against the numpy float32
 brute force; and the fused options the torch kernel was chosen from (``options``): torch's fp16 matrix-vector
-product, the same over a bfloat16 copy (bf16 storage), and a bf16 matrix product for 64 queries;
+product, the same over a bfloat16 copy (bf16 storage), and a bf16 matrix product for 64 queries: of float16 chunks
+converted by torch (float16 -> float32 -> bfloat16), or of float32 chunks that oneDNN rounds to bf16 inside the
+product (``torch_kernel_rounds_in_onednn``: what the torch kernel does on this CPU);
 ``exact_torch_bf16_rows``: ``exact_search`` over the same rows stored as bfloat16 (``index --dtype bfloat16``),
 against its own read floor, with recall@10 against float32 brute force over the rows as stored and against the
 float16 rows' top 10 (what rounding to bf16 moves). faiss here uses
@@ -16,7 +18,9 @@ near-copies of stored rows as queries, which flatters it: ``bench_ann_real.py`` 
 text-like queries. HNSW is skipped above 200k rows (its build alone takes minutes on 2 cores).
 Writes ``benchmarks/results/search.json`` (``--out`` elsewhere: the README's rows for a CPU without AMX come from
 ``--out benchmarks/results/search_noamx.json``; ``benchmarks/results/search_noamx_before.json`` is the same machine at
-1M rows before the many-queries pass re-scored its short list exactly, query by query). On a shared machine run it with ``OPENBLAS_NUM_THREADS=1``:
+1M rows before the many-queries pass re-scored its short list exactly, query by query;
+``benchmarks/results/search_before.json`` the AMX machine at 1M rows before oneDNN rounded float32 chunks inside
+the product and before the super-group filter). On a shared machine run it with ``OPENBLAS_NUM_THREADS=1``:
 spin-waiting BLAS threads fighting other jobs for the cores distort small products.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from machine import machine_info  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
 
+from clip_mini.retrieval import search as S  # noqa: E402
 from clip_mini.retrieval.rows import BF16Rows, encode  # noqa: E402
 from clip_mini.search import build_faiss, exact_search, faiss_available, faiss_search  # noqa: E402
 
@@ -88,11 +93,22 @@ def fused_options(emb: np.ndarray, q: np.ndarray, repeats: int) -> dict:
         for s in range(0, len(E), chunk):
             E[s:s + chunk].float().bfloat16() @ qb.T
 
+    f32, qT = torch.empty(16384, E.shape[1]), torch.from_numpy(q).T.contiguous()
+
+    def fp32_rounded_by_onednn():   # float16 -> float32 chunks; oneDNN rounds them to bf16 inside the product
+        for s in range(0, len(E), len(f32)):
+            c = min(len(f32), len(E) - s)
+            f32[:c].copy_(E[s:s + c]) @ qT
+
     with torch.inference_mode():
         out = {"fp16_mv_q1": latencies(lambda: torch.mv(E, qh[0]), repeats),
                "bf16_storage_mv_q1": latencies(lambda: torch.mv(Eb, qb[0]), repeats),
                "bf16_storage_mm_q64": latencies(lambda: Eb @ qb.T, repeats),
                "fp16_to_bf16_chunks_mm_q64": latencies(bf16_via_fp32, repeats)}
+        if S._implicit_bf16(torch):
+            with S._matmul_precision(torch, "bf16"):
+                out["fp16_to_fp32_chunks_onednn_bf16_mm_q64"] = latencies(fp32_rounded_by_onednn, repeats)
+    out["torch_kernel_rounds_in_onednn"] = S._implicit_bf16(torch)
     return out
 
 

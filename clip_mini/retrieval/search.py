@@ -9,9 +9,12 @@ Exact search has two kernels, with the same results (the float32 top-K, ties by 
   pass over the whole matrix, then exact float64 re-scoring of a short list. One or a few queries: torch's float16
   matrix-vector product (float32 accumulation, read at close to memory speed). More queries: each cache-sized
   chunk goes float16 -> float32 -> bfloat16 and through a bf16 matrix product (AMX/AVX512-BF16 on this CPU, ~4x
-  fp32), of which only the maximum of each group of 16 rows is kept. The approximate scores' rounding error has a
-  proven bound (the margins below); every row whose approximate score is within twice that bound of the
-  approximate K-th best is re-scored exactly, so no true top-K row can be missed. fp16 arithmetic itself is never used: without native support it is emulated and ~100x slower.
+  fp32), of which only the maximum of each group of 16 rows is kept; on a CPU with native bf16 the float32 chunk
+  goes to oneDNN as it is, asked to round it to bf16 inside the product (one conversion pass fewer). The K-th best
+  group maximum and the groups near it are found on the maxima of 64-group super-groups first. The approximate
+  scores' rounding error has a proven bound (``_margin``); every row whose approximate score is within
+  twice that bound of the approximate K-th best is re-scored exactly, so no true top-K row can be missed. fp16
+  arithmetic itself is never used: without native support it is emulated and ~100x slower.
 
 An index stored as bfloat16 (``clip-mini index --dtype bfloat16``, ``clip_mini.retrieval.rows``) skips every
 conversion: the torch kernel hands its rows straight to the bf16 matrix-vector or matrix product (one query over
@@ -156,19 +159,30 @@ def _merge_chunk(best_s: np.ndarray, best_i: np.ndarray, sims: np.ndarray, offse
 # -- torch: approximate pass, exact re-scoring ------------------------------------------------------------------
 TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
 _MV_MAX_QUERIES = 4       # up to this many queries: one fp16 matrix-vector product each (memory-bound)
-# How far an approximate score can be from the exact one, for unit rows and queries (|sum e_i q_i| <= sum |e_i q_i|
-# <= 1; u = the unit roundoff: 2^-11 for fp16, 2^-8 for bf16; products are accumulated in fp32):
-# fp16 mv rounds the query and the result to fp16 (2u); a bf16 product over stored bf16 rows rounds the query and
-# the result to bf16 (2u); over float16 rows it rounds the rows as well (3u). A row of the true top-K can score up
-# to twice that below the approximate K-th best (its own error and that of the rows that set the K-th best), so
-# the short list keeps everything within the margin = 2 * bound (+ slack for the fp32 accumulation).
-_FP16_MARGIN = 4 * 2.0 ** -11 + 1e-5
-_BF16_MARGIN = 4 * 2.0 ** -8 + 1e-5             # stored bf16 rows
-_BF16_CONVERTED_MARGIN = 6 * 2.0 ** -8 + 1e-5   # float16 rows converted to bf16 for the product
+_FP16_U, _BF16_U = 2.0 ** -11, 2.0 ** -8   # unit roundoffs (round to nearest)
+
+
+def _margin(u: float, roundings: int, d: int) -> float:
+    """How far below the approximate K-th best a true top-K row can score: twice the bound on |approximate - exact|
+    (its own error, and that of the rows that set the K-th best).
+
+    The approximate score rounds ``roundings`` of {the row, the query, the result} to unit roundoff ``u`` (fp16 mv:
+    query and result; a bf16 product over stored bf16 rows: query and result; over float16 rows converted by
+    torch: all three; rounded by oneDNN inside the product, whose result stays float32: row and query) and
+    accumulates d products in float32 (gamma_d = d 2^-24 / (1 - d 2^-24)), so it is within
+    ((1 + u)^r (1 + gamma_d) - 1) * sum |e_i q_i| of the exact one; sum |e_i q_i| <= |e| |q| <= 1.01 for unit
+    vectors rounded to fp16 or bf16 (norms within 2^-8 of 1)."""
+    gamma = d * 2.0 ** -24 / (1 - d * 2.0 ** -24)
+    return 2 * 1.01 * ((1 + u) ** roundings * (1 + gamma) - 1)
+
+
 _BIG_CHUNK = 1 << 18      # rows per fp16 mv call (128 MB at d=256: the page cache streams a larger-than-RAM map)
 _BF16_CHUNK = 4096        # float16 rows converted per bf16 product: the fp32 and bf16 copies stay in the L2 cache
 _BF16_ROWS_CHUNK = 16384  # stored bf16 rows per product (no copies)
+_IMPLICIT_CHUNK = 16384   # float16 rows per float32 chunk that oneDNN rounds to bf16 (it packs its own copy)
 _GROUP = 16               # rows per group maximum in the many-queries pass
+_SUPER = 64               # groups per super-group (1,024 rows): the floor and the first filter run on their maxima
+_IMPLICIT_BF16 = True     # float16 rows: let oneDNN round float32 chunks to bf16 inside the product where it can
 
 
 def _exact_torch(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -183,9 +197,9 @@ def _exact_torch(embeddings: np.ndarray, queries: np.ndarray, k: int) -> tuple[n
     with torch.inference_mode():
         if len(queries) <= _MV_MAX_QUERIES:
             cq, ci = _few_queries(torch, E, q.bfloat16() if bf16 else q.half(), k,
-                                  _BF16_MARGIN if bf16 else _FP16_MARGIN)
+                                  _margin(_BF16_U if bf16 else _FP16_U, 2, queries.shape[1]))
         else:
-            cq, ci = _many_queries(torch, E, q.bfloat16(), q, k, _BF16_MARGIN if bf16 else _BF16_CONVERTED_MARGIN)
+            cq, ci = _many_queries(torch, E, q.bfloat16(), q, k)
     return _rescore(embeddings, queries, cq.numpy(), ci.numpy(), k)
 
 
@@ -219,39 +233,49 @@ def _few_queries(torch, E, qv, k: int, margin: float):
     return torch.cat(cand_q), torch.cat(cand_i)
 
 
-def _many_queries(torch, E, qb, qf, k: int, margin: float):
+def _many_queries(torch, E, qb, qf, k: int):
     """One bf16 matrix product per chunk, rows by queries (~1.7x faster here than queries by rows), of which only
     each group of ``_GROUP`` rows' maximum is kept: a top-K per chunk costs twice the product. The K-th best group
     maximum is a score that K distinct rows reach, so only groups whose maximum is within ``margin`` of it can hold
     a true top-K row; their rows are scored exactly and those above the floor (the K-th best less the margin)
     returned."""
     n, d = E.shape
-    nq, G = len(qb), _GROUP
+    nq, G, S = len(qb), _GROUP, _SUPER
     groups = -(-n // G)
     if groups < k:   # fewer groups than results: every row is a candidate
         return torch.arange(nq).repeat_interleave(n), torch.arange(n).repeat(nq)
     stored = E.dtype == torch.bfloat16
-    gmax = torch.empty(groups, nq, dtype=torch.bfloat16)
-    qT = qb.T.contiguous()
-    step = max(G, (_BF16_ROWS_CHUNK if stored else _BF16_CHUNK) // G * G)   # whole groups per chunk
-    if not stored:   # float16 -> float32 -> bfloat16 in reused buffers (float16 -> bfloat16 directly: 2x slower)
+    implicit = not stored and _implicit_bf16(torch)
+    margin = _margin(_BF16_U, 2 if stored or implicit else 3, d)
+    supers = -(-groups // S)
+    # group maxima, padded to whole super-groups; float32 where oneDNN's product hands back float32
+    gmax = torch.empty(supers * S, nq, dtype=torch.float32 if implicit else torch.bfloat16)
+    gmax[groups:] = -math.inf
+    chunk_rows = _BF16_ROWS_CHUNK if stored else _IMPLICIT_CHUNK if implicit else _BF16_CHUNK
+    step = max(G, chunk_rows // G * G)   # whole groups per chunk
+    if not stored:   # float16 -> float32 (-> bfloat16) in reused buffers (float16 -> bfloat16 directly: 2x slower)
         f32 = torch.empty(min(step, n), d)
-        b16 = torch.empty(min(step, n), d, dtype=torch.bfloat16)
-    for start in range(0, n, step):
-        c = min(step, n - start)
-        chunk = E[start:start + c] if stored else b16[:c].copy_(f32[:c].copy_(E[start:start + c]))
-        s = chunk @ qT   # (c, Q)
-        g0, full = start // G, c // G
-        torch.amax(s[:full * G].view(full, G, nq), 1, out=gmax[g0:g0 + full])
-        if full * G < c:   # the last, partial group
-            gmax[g0 + full] = s[full * G:].amax(0)
-    floor = torch.topk(gmax, k, dim=0).values[-1].float() - margin   # (Q,)
+        b16 = None if implicit else torch.empty(min(step, n), d, dtype=torch.bfloat16)
+    qT = (qf if implicit else qb).T.contiguous()
+    with _matmul_precision(torch, "bf16" if implicit else None):
+        for start in range(0, n, step):
+            c = min(step, n - start)
+            if stored:
+                chunk = E[start:start + c]
+            elif implicit:   # oneDNN rounds the float32 rows and queries to bf16 inside the product
+                chunk = f32[:c].copy_(E[start:start + c])
+            else:
+                chunk = b16[:c].copy_(f32[:c].copy_(E[start:start + c]))
+            s = chunk @ qT   # (c, Q)
+            g0, full = start // G, c // G
+            torch.amax(s[:full * G].view(full, G, nq), 1, out=gmax[g0:g0 + full])
+            if full * G < c:   # the last, partial group
+                gmax[g0 + full] = s[full * G:].amax(0)
+    g, qi, floor = _candidate_groups(torch, gmax.view(supers, S, nq), k, margin)
     # A few thousand groups qualify. Their rows are scored exactly (float32) query by query, each query's groups
     # gathered as whole 16-row blocks: several times faster than one gather and one batched product over all the
     # (group, query) pairs, whose large temporaries cost more than the arithmetic. A true top-K row scores at least
     # the approximate K-th best minus one error bound, above the floor, so the exact scores filter safely.
-    g, qi = torch.nonzero(gmax >= floor, as_tuple=True)   # ordered by group, then query
-    g = g[torch.argsort(qi, stable=True)]
     full = n // G
     blocks = E[:full * G].view(full, G, d)
     offsets = torch.arange(G)
@@ -270,6 +294,71 @@ def _many_queries(torch, E, qb, qf, k: int, margin: float):
         cand_q.append(torch.full_like(keep, j))
         cand_i.append(keep)
     return torch.cat(cand_q), torch.cat(cand_i)
+
+
+def _candidate_groups(torch, gmax, k: int, margin: float):
+    """The (group, query) pairs whose group maximum is within ``margin`` of the query's K-th best group maximum,
+    sorted by query, then group; and each query's floor (that K-th best less the margin).
+
+    ``gmax`` is (super-groups, ``_SUPER``, Q), padded with -inf. A top-K and a comparison over every group cost
+    a fifth of the search at 1M rows, so both run on super-group maxima first: the K-th best super-group maximum
+    is a value K distinct groups reach, so it is at most the K-th best group maximum, and every group within the
+    margin of that lies in a super-group within the margin of it. Only those super-groups' groups are looked at."""
+    supers, S, nq = gmax.shape
+    smax = gmax.amax(1).float()   # (super-groups, Q); float32, as every bound below: bf16 would round it
+    if supers >= k:
+        low = torch.topk(smax, k, dim=0).values[-1] - margin   # (Q,)
+    else:   # fewer super-groups than results: their K-th best bounds nothing
+        low = torch.full((nq,), -math.inf)
+    si, qi = torch.nonzero(smax >= low, as_tuple=True)
+    order = torch.argsort(qi, stable=True)
+    si, qi = si[order], qi[order]
+    vals = gmax[si, :, qi]   # (pairs, S): the group maxima of each candidate super-group, for its query
+    # each query's exact K-th best group maximum: its top-K groups all lie in its candidate super-groups
+    counts = torch.bincount(qi, minlength=nq)
+    pos = torch.arange(len(qi)) - (torch.cumsum(counts, 0) - counts)[qi]
+    dense = torch.full((nq, int(counts.max()), S), -math.inf, dtype=vals.dtype)
+    dense[qi, pos] = vals
+    floor = torch.topk(dense.view(nq, -1), k, dim=1).values[:, -1].float() - margin   # (Q,)
+    p, o = torch.nonzero(vals >= floor[qi, None], as_tuple=True)   # ordered by pair: query, group
+    return si[p] * S + o, qi[p], floor
+
+
+def _implicit_bf16(torch) -> bool:
+    """Whether float32 products can be asked to run in bf16 inside oneDNN (``torch.backends.mkldnn.matmul.
+    fp32_precision``, torch >= 2.9) on a CPU with native bf16: one conversion pass (float16 -> float32) instead
+    of two, the rounding to bf16 done while oneDNN packs the operands (1M x 256 rows, 64 queries: 72 against 80 ms
+    here, benchmarks/results/search.json)."""
+    if not _IMPLICIT_BF16:
+        return False
+    backend = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return (backend is not None and hasattr(backend, "fp32_precision") and torch.backends.mkldnn.is_available()
+            and _has_native_bf16())
+
+
+def _has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+class _matmul_precision:
+    """Sets oneDNN's float32 matmul precision for a block and restores it (``None``: leave it alone)."""
+
+    def __init__(self, torch, precision: str | None):
+        self.backend = torch.backends.mkldnn.matmul if precision else None
+        self.precision = precision
+
+    def __enter__(self):
+        if self.backend is not None:
+            self.saved = self.backend.fp32_precision
+            self.backend.fp32_precision = self.precision
+
+    def __exit__(self, *exc):
+        if self.backend is not None:
+            self.backend.fp32_precision = self.saved
 
 
 def _rescore(embeddings: np.ndarray, queries: np.ndarray, cq: np.ndarray, ci: np.ndarray, k: int
