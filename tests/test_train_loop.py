@@ -252,7 +252,7 @@ def test_flickr8k_config_trains_lit_style_on_real_photos(tmp_path):
             assert torch.equal(weights[f"visual.trunk.{name}"], tensor), name
     from clip_mini.dinov2_onnx import load_state
 
-    assert model.visual.width == 1280 + 2 * 384   # EfficientNet + DINOv2 [CLS ; patch mean]
+    assert model.visual.width == 1280 + 5 * 384   # EfficientNet + DINOv2 [last 4 blocks' CLS ; patch mean]
     for name, tensor in load_state().items():
         if name != "pos_embed":   # resampled from 518 px to 224 px
             assert torch.equal(weights[f"visual.concat.trunk.{name}"], tensor), name
