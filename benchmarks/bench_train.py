@@ -287,6 +287,8 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
     step_s = sum(totals) / len(totals)
     return {
         "image_tower": f"{cfg.model.vision.backbone} {cfg.model.vision.image_size}px"
+                       + (f" + {cfg.model.vision.concat} {cfg.model.vision.concat_size}px "
+                          f"{cfg.model.vision.concat_pooling}" if cfg.model.vision.concat else "")
                        + ("" if cfg.model.vision.trainable else " (frozen)"),
         "text_tower": cfg.model.text.pretrained or f"distilbert dim {cfg.model.text.dim}",
         "batch_pairs": pairs, "precision": t.precision, "threads": torch.get_num_threads(),
