@@ -327,25 +327,22 @@ def _candidate_groups(torch, gmax, k: int, margin: float):
 def _implicit_bf16(torch) -> bool:
     """Whether float32 products can be asked to run in bf16 inside oneDNN (``torch.backends.mkldnn.matmul.
     fp32_precision``, torch >= 2.9) on a CPU with native bf16: one conversion pass (float16 -> float32) instead
-    of two, the rounding to bf16 done while oneDNN packs the operands (1M x 256 rows, 64 queries: 72 against 80 ms
-    here, benchmarks/results/search.json)."""
+    of two, the rounding to bf16 done while oneDNN packs the operands (the raw product over 1M x 256 rows for 64
+    queries: 73 against 92 ms on the AMX machine, benchmarks/results/search.json)."""
     if not _IMPLICIT_BF16:
         return False
     backend = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-    return (backend is not None and hasattr(backend, "fp32_precision") and torch.backends.mkldnn.is_available()
-            and _has_native_bf16())
-
-
-def _has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
+    if backend is None or not hasattr(backend, "fp32_precision") or not torch.backends.mkldnn.is_available():
         return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    try:   # without native bf16 oneDNN would emulate it: no gain, and looser scores
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
+        return False
 
 
 class _matmul_precision:
-    """Sets oneDNN's float32 matmul precision for a block and restores it (``None``: leave it alone)."""
+    """Sets oneDNN's float32 matmul precision for a block and restores it (``None``: leave it alone). The setting is
+    process-wide: a float32 product another thread runs inside the block is rounded to bf16 as well."""
 
     def __init__(self, torch, precision: str | None):
         self.backend = torch.backends.mkldnn.matmul if precision else None
