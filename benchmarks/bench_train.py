@@ -11,10 +11,11 @@ text width 192 / 4 layers / 3 heads / MLP 768 / vocab 8192 / 32 tokens, embed 12
 tensors (model-only), same threads. The steps run interleaved, round by round, each round also timing this
 CPU's fp32 and bf16 matmul peaks, so other processes on the cores slow every column alike; medians are reported.
 Two clip_mini columns each leave out one lever (plain attention in the training pass, fused AdamW), one adds
-``train.compile`` (the step's forward and backward through torch.compile; compiled during the warm-up rounds), and
-a last one runs open_clip under PyTorch's math SDPA backend (``sdpa_kernel(SDPBackend.MATH)``) to show how
-much of the gap is the attention kernel (see ``clip_mini/kernels.py``). Skipped with a message when
-``open_clip_torch`` (extra ``bench``) is missing.
+``train.compile`` (the step's forward and backward through torch.compile; compiled during the warm-up rounds), two
+hold the weights in bf16 with fp32 master copies in AdamW, eager and compiled (an experiment: what dropping
+autocast's per-op casts would give; not a training option), and a last one runs open_clip under PyTorch's math
+SDPA backend (``sdpa_kernel(SDPBackend.MATH)``) to show how much of the gap is the attention kernel (see
+``clip_mini/kernels.py``). Skipped with a message when ``open_clip_torch`` (extra ``bench``) is missing.
 
 **Configs**: real batches from the real loader (cache on, as in training), ``forward_backward`` + gradient
 clipping + ``optimizer.step`` timed step by step. ``flickr8k`` trains on precomputed features of its locked image
@@ -53,15 +54,22 @@ FLICKR8K = ROOT.parent / "shared/data/flickr8k/captions.csv"
 PEER_VOCAB, PEER_TOKENS, PEER_IMAGE = 8192, 32, 64
 
 
-def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: bool = False):
+def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: bool = False,
+                    bf16_weights: bool = False):
     """clip_mini's training step at the peer size, as ``train.loop`` runs it; returns (step, flop-counted pass).
 
     ``lever_off``: run it without one speed lever, to measure what that lever gives: ``"plain_attention"`` (the
     fused SDPA kernel in the training pass too) or ``"fused_adamw"`` (AdamW's default foreach implementation).
     ``compiled``: with ``train.compile`` on (the forward and backward through torch.compile, ``CompiledStep``).
+    ``bf16_weights``: an experiment, not a training option: the model's weights held in bf16 (no autocast, so no
+    per-op casts; the 0-d ``logit_scale`` stays fp32), AdamW on fp32 master copies of them (bf16 gradients
+    widened into the masters' ``.grad``, clipped there, the stepped masters rounded back into the model), as
+    mixed-precision training with master weights does. It measures what removing autocast's casts could give.
     """
     from contextlib import ExitStack
     from unittest import mock
+
+    import torch.nn as nn
 
     from clip_mini.config import ModelConfig, TextConfig, TrainConfig, VisionConfig
     from clip_mini.loss import ClipLoss
@@ -79,6 +87,15 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
     optimizer = build_optimizer(model, t)
     if lever_off == "fused_adamw":
         optimizer = torch.optim.AdamW(param_groups(model, t), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    if bf16_weights:
+        groups = param_groups(model, t)
+        master = {id(p): nn.Parameter(p.detach().float().clone()) for g in groups for p in g["params"]}
+        pairs = [(p, master[id(p)]) for g in groups for p in g["params"]]
+        optimizer = torch.optim.AdamW([{**g, "params": [master[id(p)] for p in g["params"]]} for g in groups],
+                                      lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fused=True)
+        for p in model.parameters():
+            if p.ndim:
+                p.data = p.data.to(torch.bfloat16)
     features, loss_fn, cpu = FeatureModel(model), ClipLoss(), torch.device("cpu")
     if compiled:
         from clip_mini.compile_pass import CompiledStep
@@ -87,7 +104,8 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
     set_train_mode(model, True)
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(1)
-    batch = {"pixels": torch.randn(batch_size, 3, PEER_IMAGE, PEER_IMAGE, generator=g),
+    batch = {"pixels": torch.randn(batch_size, 3, PEER_IMAGE, PEER_IMAGE, generator=g,
+                                   dtype=torch.bfloat16 if bf16_weights else torch.float32),
              "input_ids": torch.randint(5, PEER_VOCAB, (batch_size, PEER_TOKENS), generator=g),
              "attention_mask": torch.ones(batch_size, PEER_TOKENS, dtype=torch.long),
              "image_ids": torch.arange(batch_size)}
@@ -99,18 +117,28 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
                 stack.enter_context(mock.patch(f"{module}.fused_attention", lambda x: True))
         return stack
 
+    precision = "fp32" if bf16_weights else t.precision   # bf16 weights: no autocast
+
     def step() -> None:
         with kernels():
-            forward_backward(features, [batch], loss_fn, cpu, t.precision)
-        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        optimizer.step()
+            forward_backward(features, [batch], loss_fn, cpu, precision)
+        if bf16_weights:
+            for p, m in pairs:
+                m.grad, p.grad = p.grad.float(), None
+            torch.nn.utils.clip_grad_norm_([m for _, m in pairs], t.grad_clip)
+            optimizer.step()
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+        else:
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+            optimizer.step()
         model.clamp_logit_scale()
         optimizer.zero_grad(set_to_none=True)
 
     def counted() -> None:
         with kernels():
-            forward_backward(features, [batch], loss_fn, cpu, t.precision)
-        optimizer.zero_grad(set_to_none=True)
+            forward_backward(features, [batch], loss_fn, cpu, precision)
+        model.zero_grad(set_to_none=True)
     return step, counted
 
 
@@ -168,11 +196,14 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
             "clip_mini_without_plain_attention": _clip_mini_step(batch_size, "plain_attention"),
             "clip_mini_without_fused_adamw": _clip_mini_step(batch_size, "fused_adamw"),
             "clip_mini_compiled": _clip_mini_step(batch_size, compiled=True),
+            "clip_mini_bf16_weights": _clip_mini_step(batch_size, bf16_weights=True),
+            "clip_mini_bf16_weights_compiled": _clip_mini_step(batch_size, compiled=True, bf16_weights=True),
             "open_clip": _open_clip_step(batch_size),
             "open_clip_math_sdpa": _open_clip_step(batch_size, math_sdpa=True)}
     # the compiled arm does the same arithmetic; FlopCounterMode cannot see inside an inductor graph
-    flops = {name: _flops(counted) for name, (_, counted) in arms.items() if name != "clip_mini_compiled"}
+    flops = {name: _flops(counted) for name, (_, counted) in arms.items() if not name.endswith("_compiled")}
     flops["clip_mini_compiled"] = flops["clip_mini"]
+    flops["clip_mini_bf16_weights_compiled"] = flops["clip_mini_bf16_weights"]
     for _ in range(warmup):   # the compiled arm compiles here
         for step, _ in arms.values():
             step()
@@ -199,6 +230,8 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
     out["plain_attention_gain"] = out["clip_mini_without_plain_attention"]["step_s"] / out["clip_mini"]["step_s"]
     out["fused_adamw_gain"] = out["clip_mini_without_fused_adamw"]["step_s"] / out["clip_mini"]["step_s"]
     out["compile_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_compiled"]["step_s"]
+    out["bf16_weights_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_bf16_weights"]["step_s"]
+    out["bf16_weights_compiled_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_bf16_weights_compiled"]["step_s"]
     out["compiled_speedup_vs_open_clip"] = out["open_clip"]["step_s"] / out["clip_mini_compiled"]["step_s"]
     return out
 
