@@ -23,6 +23,9 @@ tower (``train.frozen_features``): its step is the image head, the text tower an
 pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step;
 ``flickr8k-compiled`` the same step with ``train.compile`` (timed after 4 more warm-up steps, which compile).
 
+``step_profile_s``: where the eager step's time goes (matrix products, GELU, LayerNorm, copies and casts, softmax,
+optimizer, other), per step, from ``torch.profiler`` after the timed rounds.
+
 FLOPs of one step are counted by ``torch.utils.flop_counter`` (matrix products, convolutions and attention,
 forward and backward; AdamW's element-wise work is not counted); achieved GFLOP/s are read against the fp32
 matmul peak of the same run. Prints JSON and writes ``benchmarks/results/train.json`` with the 1-minute load
@@ -187,6 +190,35 @@ def _flops(fn) -> float:
     return counter.get_total_flops()
 
 
+# torch.profiler op names, grouped: where an eager step's time goes (self time, so nothing is counted twice)
+PROFILE_GROUPS = {
+    "matrix_products": ("aten::mm", "aten::addmm", "aten::bmm", "aten::mkldnn_convolution",
+                        "aten::convolution_backward"),
+    "gelu": ("aten::gelu", "aten::gelu_backward"),
+    "layer_norm": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
+    "copies_and_casts": ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous"),
+    "softmax": ("aten::_softmax", "aten::_softmax_backward_data"),
+    "optimizer_and_clipping": ("aten::_fused_adamw_", "aten::linalg_vector_norm", "aten::_foreach_norm",
+                               "aten::_foreach_mul_", "aten::_foreach_copy_"),
+}
+
+
+def _profile(step, steps: int = 3) -> dict:
+    """Seconds per step in each ``PROFILE_GROUPS`` group (and ``other``: sums for bias gradients, residual adds,
+    the loss, the profiler's own cost) for an eager step, from ``torch.profiler``'s self CPU times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    out = dict.fromkeys([*PROFILE_GROUPS, "other"], 0.0)
+    for event in prof.key_averages():
+        group = next((g for g, names in PROFILE_GROUPS.items() if event.key in names), "other")
+        out[group] += event.self_cpu_time_total / 1e6 / steps
+    out["total"] = sum(out.values())
+    return {k: round(v, 4) for k, v in out.items()}
+
+
 def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
     """Interleaved rounds of: fp32 peak, bf16 peak, then one step of each arm: clip_mini, clip_mini without each
     lever, open_clip, open_clip under the math SDPA backend."""
@@ -218,7 +250,8 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
             times[name].append(time.perf_counter() - t0)
     fp32, bf16 = statistics.median(peaks["fp32"]), statistics.median(peaks["bf16"])
     out = {"batch_pairs": batch_size, "rounds": rounds, "fp32_matmul_peak_gflops": fp32,
-           "bf16_matmul_peak_gflops": bf16}
+           "bf16_matmul_peak_gflops": bf16,
+           "step_profile_s": {name: _profile(arms[name][0]) for name in ("clip_mini", "clip_mini_bf16_weights")}}
     for name in arms:
         step_s = statistics.median(times[name])
         gflops = flops[name] / 1e9 / step_s

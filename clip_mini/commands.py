@@ -127,11 +127,14 @@ def _rank_device():
 
 
 def default_workers(workers, device) -> int:
-    """``--workers`` unset: decode in the main process on a CPU (workers would compete with the model for the
-    cores), with 4 worker processes on a GPU (decoding is then the bottleneck)."""
+    """``--workers`` unset: 4 worker processes on a GPU (decoding is then the bottleneck); on a CPU one worker when
+    there are two cores or more: it decodes the next batch while the model embeds this one, which measured faster
+    than decoding in the main process for both a heavy and a light model, bf16 and fp32 (benchmarks/bench_index.py,
+    results/index.json), even though the worker and the model share the cores; none on a single core."""
     if workers is not None:
         return workers
-    return min(4, os.cpu_count() or 1) if device.type == "cuda" else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cores) if device.type == "cuda" else min(1, cores - 1)
 
 
 def _index_inputs(args: argparse.Namespace):
