@@ -44,7 +44,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     embedder = clip_mini.load(args.model, device=device, batch_size=args.batch_size)
     index = sync_index(args.out, embedder, images, captions=captions, prune=not args.add,
-                       batch_size=args.batch_size, workers=default_workers(args.workers, device),
+                       batch_size=args.batch_size, workers=args.workers,
                        precision=precision, faiss=args.faiss, shard=shard, source=source,
                        model_dir=args.model, progress=progress, recall_target=args.recall_target,
                        memory_budget=None if args.memory_budget is None else args.memory_budget * 2**30,
@@ -126,17 +126,6 @@ def _rank_device():
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def default_workers(workers, device) -> int:
-    """``--workers`` unset: 4 worker processes on a GPU (decoding is then the bottleneck); on a CPU one worker when
-    there are two cores or more: it decodes the next batch while the model embeds this one, which measured faster
-    than decoding in the main process for both a heavy and a light model, bf16 and fp32 (benchmarks/bench_index.py,
-    results/index.json), even though the worker and the model share the cores; none on a single core."""
-    if workers is not None:
-        return workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(4, cores) if device.type == "cuda" else min(1, cores - 1)
-
-
 def _index_inputs(args: argparse.Namespace):
     from clip_mini.retrieval.files import scan_images
 
@@ -209,7 +198,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from clip_mini.model_eval import DEFAULT_TEMPLATES, EvalError, evaluate_retrieval, evaluate_zero_shot
 
-    from clip_mini.devices import resolve_device
+    from clip_mini.devices import default_workers, resolve_device
 
     if (args.data is None) == (args.labels is None):
         raise EvalError("eval needs --data CONFIG (retrieval) or --labels FILE (zero-shot), one of them")

@@ -100,3 +100,15 @@ def loader_workers(workers: Optional[int]) -> int:
     if workers is not None:
         return workers
     return min(4, os.cpu_count() or 1) if torch.cuda.is_available() else 0
+
+
+def default_workers(workers: Optional[int], device: torch.device) -> int:
+    """Image-decoding DataLoader workers for an embedding pass (``index``, ``eval``): ``workers`` when given; else
+    4 processes on a GPU (decoding is then the bottleneck), and on a CPU one process when there are two cores or
+    more: it decodes the next batch while the model embeds this one, which measured faster than decoding in the
+    main process for a heavy and a light model, bf16 and fp32 (benchmarks/bench_index.py, results/index.json),
+    even though the worker and the model share the cores; none on a single core."""
+    if workers is not None:
+        return workers
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cores) if device.type == "cuda" else min(1, cores - 1)

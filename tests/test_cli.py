@@ -214,27 +214,29 @@ def test_torchrun_shards_then_merge(model_dir, image_folder, tmp_path):
 def test_default_workers_one_decoder_on_a_multicore_cpu(monkeypatch):
     import torch
 
-    from clip_mini import commands
+    from clip_mini import devices
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    monkeypatch.setattr(commands.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert (commands.default_workers(None, cpu), commands.default_workers(None, gpu)) == (1, 2)
-    assert commands.default_workers(0, cpu) == 0 and commands.default_workers(3, cpu) == 3   # --workers wins
-    monkeypatch.setattr(commands.os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert commands.default_workers(None, cpu) == 0   # one core: no process to overlap with
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert (devices.default_workers(None, cpu), devices.default_workers(None, gpu)) == (1, 2)
+    assert devices.default_workers(0, cpu) == 0 and devices.default_workers(3, cpu) == 3   # --workers wins
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert devices.default_workers(None, cpu) == 0   # one core: no process to overlap with
 
 
 def test_index_default_worker_matches_in_process_decoding(model_dir, image_folder, tmp_path, monkeypatch):
-    from clip_mini import commands
+    from clip_mini import devices
     from clip_mini.retrieval.index import EmbeddingIndex
 
     used = []
-    real = commands.default_workers
-    monkeypatch.setattr(commands, "default_workers", lambda w, d: used.append(real(w, d)) or used[-1])
+    real = devices.default_workers
+    monkeypatch.setattr(devices, "default_workers", lambda w, d: used.append(real(w, d)) or used[-1])
     for name, extra in (("default", []), ("inline", ["--workers", "0"])):
         assert main(["index", "--model", str(model_dir), "--images", str(image_folder), "--out",
                      str(tmp_path / name), "--quiet", *extra]) == 0
     assert used == [min(1, len(os.sched_getaffinity(0)) - 1), 0]   # the CPU default, then --workers 0
+    api = EmbeddingIndex.build(tmp_path / "api", model=str(model_dir), images=str(image_folder), progress=False)
+    assert len(api) == 12 and used[-1] == used[0]   # the Python API decodes as the command line does
     a, b = EmbeddingIndex.load(tmp_path / "default"), EmbeddingIndex.load(tmp_path / "inline")
     assert a.items["path"] == b.items["path"] and len(a) == 12
     np.testing.assert_array_equal(np.asarray(a.embeddings), np.asarray(b.embeddings))

@@ -111,7 +111,7 @@ def _hash_all(paths: list[str], progress: bool) -> tuple[dict[str, str], dict[st
 
 
 def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Optional[dict[str, str]] = None,
-               prune: bool = True, batch_size: int = 64, workers: int = 0, precision: str = "fp32",
+               prune: bool = True, batch_size: int = 64, workers: Optional[int] = None, precision: str = "fp32",
                faiss: str = "auto", shard: Optional[tuple[int, int]] = None, flush_every: int = 1024,
                source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True,
                recall_target: Optional[float] = None, memory_budget: Optional[float] = None,
@@ -126,7 +126,8 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         images: image file paths (made absolute).
         captions: optional ``{path: caption}`` stored with the rows.
         prune: drop rows whose path is not in ``images`` (False: keep them, i.e. add).
-        batch_size, workers, precision: embedding batch size, DataLoader workers, "fp32" or "bf16" autocast.
+        batch_size, workers, precision: embedding batch size, DataLoader workers decoding images (None:
+            ``devices.default_workers`` for the embedder's device), "fp32" or "bf16" autocast.
         faiss: "auto" (keep the index's faiss kind; build HNSW above ``search.FAISS_THRESHOLD`` rows when faiss is
             installed), "none", "hnsw" or "ivf".
         flush_every: images per resumable chunk (at most this much work is lost to a kill).
@@ -159,6 +160,9 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
             old.check_model(embedder.fingerprint, "the model used for indexing")
         rows, todo, skipped = _plan(old, images, captions, prune, progress)
         work = _Work(path, embedder.fingerprint)
+        from clip_mini.devices import default_workers   # torch: only on the embedding path
+
+        workers = default_workers(workers, embedder.device)
         _embed_missing(embedder, todo, work, batch_size, workers, precision, flush_every, progress)
         if model_dir and hasattr(embedder, "model"):   # queries on this index then run without torch
             export_if_missing(embedder.model, model_dir)
