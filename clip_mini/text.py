@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from clip_mini.config import TextConfig
+from clip_mini.dropout import register_eager_attention, swap_dropouts
 from clip_mini.errors import ClipMiniError
 from clip_mini.kernels import fused_attention
 
@@ -170,6 +171,10 @@ class TextEncoder(nn.Module):
         )
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
+        # torch's CPU dropout mask was 17.7% of the flickr8k config's step: the same distribution, cheaper
+        # (clip_mini/dropout.py), in the embeddings, the FFNs and (through the registered attention) the attention
+        self._eager = register_eager_attention()
+        swap_dropouts(self.bert)
         self.width = cfg.dim
         zero = cfg.cls_input == "zero" or (cfg.cls_input == "auto" and not cfg.pretrained and cfg.n_layers >= 2)
         if cfg.pooling == "cls" and zero:
@@ -177,7 +182,7 @@ class TextEncoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # transformers reads the kernel from the config at every call: plain attention for CPU training (kernels.py)
-        self.bert.config._attn_implementation = "sdpa" if fused_attention(input_ids) else "eager"
+        self.bert.config._attn_implementation = "sdpa" if fused_attention(input_ids) else self._eager
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, dim)
         if self.cfg.pooling == "mean":   # mean over the real tokens ([CLS] and [SEP] included), padding excluded
             mask = attention_mask.unsqueeze(-1).to(hidden.dtype)                                # (B, L, 1)
