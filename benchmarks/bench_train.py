@@ -21,7 +21,9 @@ SDPA backend (``sdpa_kernel(SDPBackend.MATH)``) to show how much of the gap is t
 clipping + ``optimizer.step`` timed step by step. ``flickr8k`` trains on precomputed features of its locked image
 tower (``train.frozen_features``): its step is the image head, the text tower and the loss, and the one-time
 pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step;
-``flickr8k-compiled`` the same step with ``train.compile`` (timed after 4 more warm-up steps, which compile).
+``flickr8k-compiled`` the same step with ``train.compile`` (timed after 4 more warm-up steps, which compile);
+``flickr8k-torch-dropout`` the same step with the text tower's dropout on torch's own mask instead of
+``clip_mini/dropout.py``'s (``--out benchmarks/results/train_dropout.json``: what that lever gives).
 
 ``step_profile_s``: where the eager step's time goes (matrix products, GELU, LayerNorm, copies and casts, softmax,
 optimizer, other), per step, from ``torch.profiler`` after the timed rounds.
@@ -390,6 +392,18 @@ def _frozen_inputs(cfg, model, df, cache, device, images: int = 256):
                     "train_split_pass_s": n * cfg.train.frozen_features / per_s}
 
 
+def _torch_dropout(on: bool):
+    """``*-torch-dropout`` configs: the text tower's dropout back on torch's own mask (``F.dropout``), to measure
+    what ``clip_mini/dropout.py``'s cheaper mask gives."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    return mock.patch("clip_mini.dropout.fast_dropout", lambda x, p, training=True: F.dropout(x, p, training)) \
+        if on else nullcontext()
+
+
 def main(argv: list[str] | None = None) -> dict:
     import importlib.util
 
@@ -400,7 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peer-batches", type=int, nargs="*", default=[128, 64], help="none: skip the peer")
     p.add_argument("--configs", nargs="*", default=["tiny", "flickr8k", "flickr8k-pixels"],
                    help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0; "
-                   "flickr8k-compiled: with train.compile=true")
+                   "flickr8k-compiled: with train.compile=true; flickr8k-torch-dropout: the text tower's dropout on "
+                   "torch's own mask")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
@@ -425,7 +440,8 @@ def main(argv: list[str] | None = None) -> dict:
             if cfg is None:
                 result["configs"][name] = {"skipped": f"{FLICKR8K} not found"}
                 continue
-            r = bench_config(cfg, Path(tmp), args.steps, args.warmup)
+            with _torch_dropout(name.endswith("-torch-dropout")):
+                r = bench_config(cfg, Path(tmp), args.steps, args.warmup)
             # the peaks right after the steps, so they share the steps' contention
             fp32, bf16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
             r.update(fp32_matmul_peak_gflops=fp32, bf16_matmul_peak_gflops=bf16,

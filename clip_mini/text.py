@@ -171,7 +171,7 @@ class TextEncoder(nn.Module):
         )
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
-        # torch's CPU dropout mask was 17.7% of the flickr8k config's step: the same distribution, cheaper
+        # torch's CPU dropout mask is slow (a single-threaded draw per element): the same distribution, cheaper
         # (clip_mini/dropout.py), in the embeddings, the FFNs and (through the registered attention) the attention
         self._eager = register_eager_attention()
         swap_dropouts(self.bert)
