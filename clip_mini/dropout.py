@@ -3,8 +3,8 @@
 torch's CPU dropout draws one Bernoulli sample per element from the Mersenne Twister generator on a single thread:
 in a profile of the flickr8k config's step (MiniLM with dropout 0.1) ``aten::bernoulli_`` was the largest cost
 after the matrix products, and with this module the step runs 1.12x faster (benchmarks/bench_train.py,
-results/train_dropout.json). Here one 64-bit draw (``random_`` on an int64 tensor gives 63 uniform bits) yields three
-16-bit fields, each compared with a threshold: a third of the generator calls, and the same distribution up to
+results/train_dropout.json). Here one 64-bit draw (``random_`` on an int64 tensor gives 63 uniform bits) yields
+three 16-bit fields, each compared with a threshold: a third of the generator calls, and the same distribution up to
 the keep probability's rounding to 1/65536 (the scale uses the rounded probability, so the expectation is
 unchanged). It draws from torch's CPU generator, so ``torch.manual_seed`` and ``torch.set_rng_state`` replay the
 masks (gradient accumulation's re-forward relies on that). On a GPU it is ``F.dropout`` (Philox is already fast).
@@ -38,7 +38,7 @@ def fast_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tens
     """``F.dropout(x, p, training)`` in distribution, with the cheaper CPU mask."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p >= 1.0:
+    if x.device.type != "cpu" or round(p * _FIELDS) >= _FIELDS:   # p that rounds to 1: nothing kept
         return F.dropout(x, p, training)
     keep, q = keep_mask(x.shape, p)
     return x * keep.to(x.dtype).mul_(1.0 / q)

@@ -23,6 +23,7 @@ def test_keep_fraction_and_expectation(p):
 def test_identity_when_off_and_gradient_is_the_mask():
     x = torch.randn(64, 32, requires_grad=True)
     assert fast_dropout(x, 0.1, training=False) is x and fast_dropout(x, 0.0) is x
+    assert not fast_dropout(x, 0.999999).any() and not fast_dropout(x, 1.0).any()   # rounds to "drop everything"
     y = fast_dropout(x, 0.25)
     y.sum().backward()
     kept = y != 0
