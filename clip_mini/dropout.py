@@ -11,6 +11,7 @@ masks (gradient accumulation's re-forward relies on that). On a GPU it is ``F.dr
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -25,9 +26,7 @@ _UNIFORM = slice(0, 3) if sys.byteorder == "little" else slice(1, 4)
 def keep_mask(shape: torch.Size, p: float) -> tuple[torch.Tensor, float]:
     """A bool tensor of ``shape`` with each element True with probability ``1 - p`` (to 1/65536), and that
     rounded keep probability."""
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     threshold = round(p * _FIELDS)
     words = torch.empty((n + 2) // 3, dtype=torch.int64).random_()
     fields = words.view(torch.int16).view(-1, 4)[:, _UNIFORM].reshape(-1)[:n]
