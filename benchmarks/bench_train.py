@@ -23,7 +23,14 @@ tower (``train.frozen_features``): its step is the image head, the text tower an
 pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step;
 ``flickr8k-compiled`` the same step with ``train.compile`` (timed after 4 more warm-up steps, which compile);
 ``flickr8k-torch-dropout`` the same step with the text tower's dropout on torch's own mask instead of
-``clip_mini/dropout.py``'s (``--out benchmarks/results/train_dropout.json``: what that lever gives).
+``clip_mini/dropout.py``'s (``--out benchmarks/results/train_dropout.json``: what that lever gives);
+``flickr8k-separate-qkv`` with the text tower's query, key and value as three products instead of one
+(``clip_mini.text.fuse_qkv``; ``--out benchmarks/results/train_qkv.json``).
+
+**Allocator**: the whole process runs with freed memory kept (``clip_mini/allocator.py``, as ``train.py`` and
+``clip-mini`` set it), open_clip's arms included; ``--plain-malloc`` leaves glibc's defaults
+(``--out benchmarks/results/train_plain_malloc.json``: what that lever gives). Every timed step also records its
+page faults and kernel CPU seconds (``page_faults_per_step``, ``kernel_cpu_s_per_step``), medians in the peer.
 
 ``step_profile_s``: where the eager step's time goes (matrix products, GELU, LayerNorm, copies and casts, softmax,
 optimizer, other), per step, from ``torch.profiler`` after the timed rounds.
@@ -42,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -242,14 +250,19 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
         for step, _ in arms.values():
             step()
     times: dict[str, list] = {name: [] for name in arms}
+    faults: dict[str, list] = {name: [] for name in arms}
+    kernel: dict[str, list] = {name: [] for name in arms}
     peaks: dict[str, list] = {"fp32": [], "bf16": []}
     for _ in range(rounds):
         peaks["fp32"].append(matmul_peak(torch.float32, seconds=0.3))
         peaks["bf16"].append(matmul_peak(torch.bfloat16, seconds=0.3))
         for name, (step, _) in arms.items():
-            t0 = time.perf_counter()
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            faults[name].append(r1.ru_minflt - r0.ru_minflt)
+            kernel[name].append(r1.ru_stime - r0.ru_stime)
     fp32, bf16 = statistics.median(peaks["fp32"]), statistics.median(peaks["bf16"])
     out = {"batch_pairs": batch_size, "rounds": rounds, "fp32_matmul_peak_gflops": fp32,
            "bf16_matmul_peak_gflops": bf16,
@@ -259,7 +272,9 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
         gflops = flops[name] / 1e9 / step_s
         out[name] = {"step_s": step_s, "pairs_per_s": batch_size / step_s, "gflop_per_step": flops[name] / 1e9,
                      "achieved_gflops": gflops, "fraction_of_fp32_peak": gflops / fp32,
-                     "fraction_of_bf16_peak": gflops / bf16, "step_s_all": times[name]}
+                     "fraction_of_bf16_peak": gflops / bf16, "step_s_all": times[name],
+                     "page_faults_per_step": statistics.median(faults[name]),
+                     "kernel_cpu_s_per_step": statistics.median(kernel[name])}
     out["speedup_vs_open_clip"] = out["open_clip"]["step_s"] / out["clip_mini"]["step_s"]
     out["speedup_vs_open_clip_math_sdpa"] = out["open_clip_math_sdpa"]["step_s"] / out["clip_mini"]["step_s"]
     out["plain_attention_gain"] = out["clip_mini_without_plain_attention"]["step_s"] / out["clip_mini"]["step_s"]
@@ -332,7 +347,7 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    waits, totals, epoch = [], [], 0
+    waits, totals, faults, kernel, epoch = [], [], [], [], 0
     batches = iter(inputs.loader(epoch))
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -342,11 +357,14 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
             epoch += 1
             batches = iter(inputs.loader(epoch))
             micro = next(batches)
-        t1 = time.perf_counter()
+        t1, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         step(micro)
         if i >= warmup:
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
             waits.append(t1 - t0)
             totals.append(time.perf_counter() - t0)
+            faults.append(r1.ru_minflt - r0.ru_minflt)
+            kernel.append(r1.ru_stime - r0.ru_stime)
     with FlopCounterMode(display=False) as counter:
         forward_backward(eager_features, micro, loss_fn, device, t.precision)
     optimizer.zero_grad(set_to_none=True)
@@ -365,6 +383,7 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
         "data_wait_fraction": sum(waits) / sum(totals), "image_cache": cache is not None,
         "data_workers": cfg.data.workers, "frozen_features": t.frozen_features, "compiled": t.compile,
         "frozen_feature_pass": feature_pass, "steps_timed": len(totals),
+        "page_faults_per_step": sum(faults) / len(faults), "kernel_cpu_s_per_step": sum(kernel) / len(kernel),
     }
 
 
@@ -404,6 +423,15 @@ def _torch_dropout(on: bool):
         if on else nullcontext()
 
 
+def _separate_qkv(on: bool):
+    """``*-separate-qkv`` configs: the text tower's query, key and value as three products, as transformers runs
+    them, to measure what ``clip_mini.text.fuse_qkv`` gives."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    return mock.patch("clip_mini.text.fuse_qkv", lambda bert: 0) if on else nullcontext()
+
+
 def main(argv: list[str] | None = None) -> dict:
     import importlib.util
 
@@ -415,12 +443,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", nargs="*", default=["tiny", "flickr8k", "flickr8k-pixels"],
                    help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0; "
                    "flickr8k-compiled: with train.compile=true; flickr8k-torch-dropout: the text tower's dropout on "
-                   "torch's own mask")
+                   "torch's own mask; flickr8k-separate-qkv: query, key and value as three products")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--plain-malloc", action="store_true",
+                   help="leave glibc's malloc thresholds alone (train.py sets them: clip_mini/allocator.py)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    from clip_mini.allocator import keep_freed_memory
+
+    # process-wide, as train.py sets it: every arm runs under it, open_clip's too
+    kept = False if args.plain_malloc else keep_freed_memory()
     result = {"machine": machine_info(),   # its load average: other processes on the cores slow every number here
+              "allocator": "freed memory kept (clip_mini/allocator.py)" if kept else "glibc default",
               "peer": {}, "configs": {}}
     if args.peer_batches and importlib.util.find_spec("open_clip") is None:
         result["peer"] = {"skipped": "open_clip_torch is not installed (pip install -e '.[bench]')"}
@@ -440,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
             if cfg is None:
                 result["configs"][name] = {"skipped": f"{FLICKR8K} not found"}
                 continue
-            with _torch_dropout(name.endswith("-torch-dropout")):
+            with _torch_dropout(name.endswith("-torch-dropout")), _separate_qkv(name.endswith("-separate-qkv")):
                 r = bench_config(cfg, Path(tmp), args.steps, args.warmup)
             # the peaks right after the steps, so they share the steps' contention
             fp32, bf16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)

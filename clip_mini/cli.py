@@ -205,6 +205,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "clip-mini", commands
         if argv and argv[0] == "train" and "train" in commands:
             return _train(argv[1:])
         args = build_parser(prog, commands).parse_args(argv)
+        from clip_mini.allocator import keep_freed_memory
+
+        keep_freed_memory()   # embedding passes reuse their batch buffers without page faults (see the module)
         if args.command == "serve":
             from clip_mini.serve.server import cmd_serve
 

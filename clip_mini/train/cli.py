@@ -52,6 +52,9 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
 
         sys.stdout.write(dump_config(cfg))
         return 0
+    from clip_mini.allocator import keep_freed_memory
+
+    keep_freed_memory()   # a process-wide malloc setting, so the program sets it, not the library
     return run(cfg, args.resume, quiet=args.quiet)
 
 
