@@ -169,6 +169,9 @@ def main(argv=None) -> dict:
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
+        from clip_mini.allocator import keep_freed_memory
+
+        keep_freed_memory()   # as `clip-mini index` sets it; the pure forward too, so the ratio compares like with like
         kind, *rest = args.child
         fn = {"forward": lambda: run_forward(rest[0], 64, int(rest[1])),
               "index": lambda: run_index(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4], rest[5]),

@@ -134,9 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/towers.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    from clip_mini.allocator import keep_freed_memory
     from clip_mini.io import atomic_write_json
 
-    result = {"machine": machine_info(),
+    kept = keep_freed_memory()   # as clip-mini sets it for index and eval (benchmarks/bench_allocator.py)
+    result = {"machine": machine_info(), "allocator": "freed memory kept" if kept else "glibc default",
               "towers": {}}
     for name in args.towers:
         r = bench_tower(name, args.batch, args.rounds, compiled=not args.no_compile)

@@ -23,9 +23,7 @@ tower (``train.frozen_features``): its step is the image head, the text tower an
 pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step;
 ``flickr8k-compiled`` the same step with ``train.compile`` (timed after 4 more warm-up steps, which compile);
 ``flickr8k-torch-dropout`` the same step with the text tower's dropout on torch's own mask instead of
-``clip_mini/dropout.py``'s (``--out benchmarks/results/train_dropout.json``: what that lever gives);
-``flickr8k-separate-qkv`` with the text tower's query, key and value as three products instead of one
-(``clip_mini.text.fuse_qkv``; ``--out benchmarks/results/train_qkv.json``).
+``clip_mini/dropout.py``'s (``--out benchmarks/results/train_dropout.json``: what that lever gives).
 
 **Allocator**: the whole process runs with freed memory kept (``clip_mini/allocator.py``, as ``train.py`` and
 ``clip-mini`` set it), open_clip's arms included; ``--plain-malloc`` leaves glibc's defaults
@@ -423,15 +421,6 @@ def _torch_dropout(on: bool):
         if on else nullcontext()
 
 
-def _separate_qkv(on: bool):
-    """``*-separate-qkv`` configs: the text tower's query, key and value as three products, as transformers runs
-    them, to measure what ``clip_mini.text.fuse_qkv`` gives."""
-    from contextlib import nullcontext
-    from unittest import mock
-
-    return mock.patch("clip_mini.text.fuse_qkv", lambda bert: 0) if on else nullcontext()
-
-
 def main(argv: list[str] | None = None) -> dict:
     import importlib.util
 
@@ -443,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", nargs="*", default=["tiny", "flickr8k", "flickr8k-pixels"],
                    help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0; "
                    "flickr8k-compiled: with train.compile=true; flickr8k-torch-dropout: the text tower's dropout on "
-                   "torch's own mask; flickr8k-separate-qkv: query, key and value as three products")
+                   "torch's own mask")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc's malloc thresholds alone (train.py sets them: clip_mini/allocator.py)")
@@ -475,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
             if cfg is None:
                 result["configs"][name] = {"skipped": f"{FLICKR8K} not found"}
                 continue
-            with _torch_dropout(name.endswith("-torch-dropout")), _separate_qkv(name.endswith("-separate-qkv")):
+            with _torch_dropout(name.endswith("-torch-dropout")):
                 r = bench_config(cfg, Path(tmp), args.steps, args.warmup)
             # the peaks right after the steps, so they share the steps' contention
             fp32, bf16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)

@@ -41,6 +41,7 @@ _LAZY = {
     "Embedder": "clip_mini.embed",
     "EmbeddingIndex": "clip_mini.retrieval.index",
     "resolve_device": "clip_mini.devices",
+    "keep_freed_memory": "clip_mini.allocator",   # what train.py and clip-mini set; a process-wide choice
     # the error classes the README lists (and the rest of the package's), all subclasses of ClipMiniError
     "ConfigError": "clip_mini.config",
     "DataError": "clip_mini.data.readers",

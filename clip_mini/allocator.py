@@ -1,14 +1,16 @@
-"""Keep freed host memory in the process, so a training step does not page-fault its activations in afresh.
+"""Keep freed host memory in the process, so a training step or a tower pass does not page-fault its tensors in afresh.
 
 PyTorch's CPU allocator hands every tensor to ``malloc`` and every free back to it. glibc's malloc serves a block
-above its mmap threshold (128 KiB at start, raised dynamically up to 32 MiB) with fresh ``mmap``'d pages, and gives
-the top of the heap back to the kernel once more than its trim threshold (128 KiB) is free there. A training step
-allocates and frees the same activations every step, so each step the kernel zero-fills them again, one page fault
-per 4 KiB page: about 40,000 faults and 0.06 s of kernel time a step at open_clip's tiny-CLIP size, batch 128
-(``benchmarks/bench_train.py``, ``results/train_allocator.json``). Fixing the mmap threshold at glibc's largest
-(32 MiB, which also stops the dynamic raise) and the trim threshold at 512 MiB keeps those blocks in the heap: the
-next step reuses them without a fault. The price is that up to ``trim_mib`` of freed memory stays with the
-process instead of going back to the system.
+above its mmap threshold (128 KiB at start, raised dynamically up to 32 MiB) with fresh ``mmap``'d pages and
+unmaps them on free, and it gives the top of the heap back to the kernel once more than its trim threshold is free
+there. A step allocates and frees the same activations every time, so every step the kernel zero-fills them again,
+one page fault per 4 KiB page. Here no block is ``mmap``'d (``M_MMAP_MAX`` 0: large ones come from the heap too,
+so the raised threshold's 32 MiB cap no longer matters; DINOv2's attention maps at batch 64 are ~200 MB each) and
+up to ``trim_mib`` of free heap top is kept: the next step reuses the same memory without a fault. What that gives
+is measured by ``benchmarks/bench_allocator.py`` (``results/allocator.json``). The price is that up to
+``trim_mib`` of freed memory stays with the process instead of going back to the system, and freed blocks below
+the heap top are reused rather than returned. glibc still maps fresh memory where the heap cannot grow, and in
+threads other than the main one for blocks larger than their 64 MiB arenas.
 
 A process-wide setting, so the programs (``train.py``, ``clip-mini``) call it at start; importing clip_mini does
 not. Elsewhere than Linux with glibc it does nothing and says so.
@@ -21,12 +23,11 @@ import sys
 
 # mallopt(3) parameters, from glibc's malloc.h
 M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_MAX = 32 * 1024 * 1024   # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
+M_MMAP_MAX = -4
 
 
 def keep_freed_memory(trim_mib: int = 512) -> bool:
-    """Set glibc's mmap threshold to 32 MiB and its trim threshold to ``trim_mib``; True when both were accepted.
+    """No ``mmap``'d blocks and a ``trim_mib`` trim threshold for glibc's malloc; True when both were accepted.
 
     False (and nothing changed) where there is no glibc ``mallopt`` (macOS, Windows, musl).
     """
@@ -35,10 +36,9 @@ def keep_freed_memory(trim_mib: int = 512) -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
-        gnu_get_libc_version = libc.gnu_get_libc_version   # glibc only: musl's mallopt ignores these parameters
+        libc.gnu_get_libc_version   # glibc only: musl has a mallopt that ignores these parameters
     except (OSError, AttributeError):
         return False
-    del gnu_get_libc_version
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     trim = min(int(trim_mib) * 1024 * 1024, 2**31 - 1)   # mallopt takes a C int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) & bool(mallopt(M_TRIM_THRESHOLD, trim))
+    return bool(mallopt(M_TRIM_THRESHOLD, trim)) & bool(mallopt(M_MMAP_MAX, 0))

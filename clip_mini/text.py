@@ -155,43 +155,6 @@ def build_tokenizer(cfg: TextConfig, captions: Iterable[str] | None = None):
     return train_tokenizer(captions, cfg.vocab_size)
 
 
-def _fused_qkv_forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
-    """transformers' ``DistilBertSelfAttention.forward`` with the query, key and value projections as one matrix
-    product over their concatenated weights: one read of the input (under autocast, one bf16 cast of it and one
-    cast of its gradient instead of three) and one wider product. Same parameters, same state dict."""
-    import torch.nn.functional as F
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.distilbert.modeling_distilbert import eager_attention_forward
-
-    input_shape = hidden_states.shape[:-1]
-    weight = torch.cat([self.q_lin.weight, self.k_lin.weight, self.v_lin.weight])
-    bias = torch.cat([self.q_lin.bias, self.k_lin.bias, self.v_lin.bias])
-    qkv = F.linear(hidden_states, weight, bias).view(*input_shape, 3, -1, self.attention_head_size)
-    query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)   # each (B, heads, L, head width)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-    out, weights = attention(self, query, key, value, attention_mask,
-                             dropout=0.0 if not self.training else self.dropout.p, scaling=self.scaling, **kwargs)
-    return self.out_lin(out.reshape(*input_shape, -1).contiguous()), weights
-
-
-def fuse_qkv(bert: nn.Module) -> int:
-    """Run every DistilBERT self-attention of ``bert`` through ``_fused_qkv_forward`` (bound to the instance, so
-    transformers itself is untouched); returns how many. The flickr8k config's training step measured about 3%
-    faster (``benchmarks/bench_train.py``). transformers versions without ``DistilBertSelfAttention`` (whose
-    forward has another signature) keep their own."""
-    import types
-
-    from transformers.models.distilbert import modeling_distilbert
-
-    cls = getattr(modeling_distilbert, "DistilBertSelfAttention", None)
-    fused = 0
-    for module in bert.modules():
-        if cls is not None and isinstance(module, cls):
-            module.forward = types.MethodType(_fused_qkv_forward, module)
-            fused += 1
-    return fused
-
-
 class TextEncoder(nn.Module):
     """DistilBERT pooled at [CLS] (position 0) or by the mean over unmasked tokens (``TextConfig.pooling``)."""
 
@@ -212,7 +175,6 @@ class TextEncoder(nn.Module):
         # (clip_mini/dropout.py), in the embeddings, the FFNs and (through the registered attention) the attention
         self._eager = register_eager_attention()
         swap_dropouts(self.bert)
-        fuse_qkv(self.bert)
         self.width = cfg.dim
         zero = cfg.cls_input == "zero" or (cfg.cls_input == "auto" and not cfg.pretrained and cfg.n_layers >= 2)
         if cfg.pooling == "cls" and zero:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from clip_mini.config import ModelConfig, TextConfig, VisionConfig
 from clip_mini.kernels import fused_attention
 from clip_mini.model import CLIPModel
-from clip_mini.text import TextEncoder
 from clip_mini.vision import ImageEncoder, inference_tower, tower_input
 
 VIT = VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2)
@@ -129,37 +128,3 @@ def test_index_precision_auto_is_bf16_only_where_bf16_is_native(monkeypatch):
     assert parse(["index", "--model", "m", "--images", "i", "--out", "o", "--bf16"]).precision == "bf16"
     assert parse(["index", "--model", "m", "--images", "i", "--out", "o", "--precision", "fp32"]).precision == "fp32"
 
-
-@pytest.mark.parametrize("training", [False, True])
-def test_fused_qkv_matches_transformers_own_attention(training):
-    """The text tower's one-product query/key/value (clip_mini.text.fuse_qkv) against transformers' unpatched
-    DistilBERT self-attention: same outputs and gradients, same parameters."""
-    import types
-
-    from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
-
-    torch.manual_seed(0)
-    enc = TextEncoder(TextConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, dropout=0.0), vocab_size=60)
-    layers = [m for m in enc.bert.modules() if isinstance(m, DistilBertSelfAttention)]
-    assert len(layers) == 2 and all(isinstance(m.forward, types.MethodType) and
-                                    m.forward.__func__ is not DistilBertSelfAttention.forward for m in layers)
-    ids, mask = torch.randint(5, 60, (3, 9)), torch.ones(3, 9, dtype=torch.long)
-    mask[1, 5:] = 0
-    enc.train(training)
-
-    def run():
-        enc.zero_grad()
-        out = enc(ids, mask)
-        out.square().sum().backward()
-        return out.detach(), [p.grad.clone() for p in enc.parameters()]
-
-    fused_out, fused_grads = run()
-    for m in layers:
-        del m.forward   # back to the class's own forward
-    plain_out, plain_grads = run()
-    assert not torch.equal(fused_out, torch.zeros_like(fused_out))
-    torch.testing.assert_close(fused_out, plain_out, atol=1e-5, rtol=1e-5)
-    for a, b in zip(fused_grads, plain_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert {k for k in enc.state_dict()} >= {"bert.transformer.layer.0.attention.q_lin.weight",
-                                             "bert.transformer.layer.0.attention.v_lin.bias"}
