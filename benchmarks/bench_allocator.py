@@ -32,6 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WORKLOADS = ("clip_step", "dinov2_pass", "dinov2_step")
+SHAPES = {"clip_step": {"batch": 128, "image_px": 64, "patch": 8},   # recorded with the results
+          "dinov2_pass": {"batch": 64, "image_px": 224, "patch": 14},
+          "dinov2_step": {"batch": 32, "image_px": 224, "patch": 14}}
 
 
 def _workload(name: str):
@@ -41,19 +44,20 @@ def _workload(name: str):
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from bench_train import _clip_mini_step
 
-        return _clip_mini_step(128)[0], 3, 8
+        return _clip_mini_step(SHAPES[name]["batch"])[0], 3, 8
     import timm
 
-    model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=224)
+    batch, px = SHAPES[name]["batch"], SHAPES[name]["image_px"]
+    model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=px)
     if name == "dinov2_pass":
         model = model.eval().to(torch.bfloat16)
-        x = torch.randn(64, 3, 224, 224, dtype=torch.bfloat16)
+        x = torch.randn(batch, 3, px, px, dtype=torch.bfloat16)
 
         def step() -> None:
             with torch.inference_mode():
                 model(x)
         return step, 2, 5
-    x = torch.randn(32, 3, 224, 224)
+    x = torch.randn(batch, 3, px, px)
 
     def train_step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         r = {mode: {k: statistics.median(run[k] for run in rs) for k in rs[0]} | {"runs": rs}
              for mode, rs in modes.items()}
         r["speedup"] = r["plain"]["step_s"] / r["kept"]["step_s"]
+        r.update(SHAPES[w])
         result["workloads"][w] = r
         print(f"{w}: {r['plain']['step_s']:.3f} s plain vs {r['kept']['step_s']:.3f} s kept ({r['speedup']:.2f}x); "
               f"page faults {r['plain']['page_faults_per_step']:.0f} vs {r['kept']['page_faults_per_step']:.0f} "

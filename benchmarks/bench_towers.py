@@ -131,13 +131,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--towers", nargs="+", default=["effnet", "vit"], choices=["effnet", "vit"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile arm (needs a C++ compiler)")
+    p.add_argument("--plain-malloc", action="store_true",
+                   help="leave glibc's malloc as it is (clip_mini/allocator.py)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/towers.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     from clip_mini.allocator import keep_freed_memory
     from clip_mini.io import atomic_write_json
 
-    kept = keep_freed_memory()   # as clip-mini sets it for index and eval (benchmarks/bench_allocator.py)
+    # as clip-mini sets it for index and eval (benchmarks/bench_allocator.py measures what it gives)
+    kept = False if args.plain_malloc else keep_freed_memory()
     result = {"machine": machine_info(), "allocator": "freed memory kept" if kept else "glibc default",
               "towers": {}}
     for name in args.towers:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SPEED = ["bench_data.py", "bench_train.py", "bench_towers.py", "bench_index.py", "bench_search.py", "bench_startup.py",
+SPEED = ["bench_data.py", "bench_allocator.py", "bench_train.py", "bench_towers.py", "bench_index.py", "bench_search.py", "bench_startup.py",
          "bench_e2e.py"]
 
 

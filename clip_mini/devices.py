@@ -111,4 +111,5 @@ def default_workers(workers: Optional[int], device: torch.device) -> int:
     if workers is not None:
         return workers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(4, cores) if device.type == "cuda" else min(1, cores - 1)
+    # an embedder of the user's own may say its device as a string ("cpu", "cuda:0")
+    return min(4, cores) if torch.device(device).type == "cuda" else min(1, cores - 1)

@@ -267,3 +267,17 @@ def test_convenience_api_from_model_dir_and_folder(tmp_path, model_dir, image_fo
     assert path == index.items["path"][7] and score == pytest.approx(1.0, abs=2e-3)
     with pytest.raises(EmbeddingIndexError, match="no images found"):
         EmbeddingIndex.build(tmp_path / "idx2", model_dir, tmp_path / "idx")   # a folder without images
+
+
+def test_an_embedder_that_names_its_device_as_a_string_indexes(tmp_path, embedder, image_folder):
+    # A duck-typed embedder of the user's own may say device = "cpu"; the default decode workers read it
+    # (the 100k-file benchmark's stub embedder does), which once failed with "'str' object has no attribute 'type'".
+    class _StringDevice(_CountingEmbedder):
+        device = "cpu"
+
+    wrapped = _StringDevice(embedder)
+    try:
+        index = _build(tmp_path / "idx", wrapped, image_folder)
+    finally:
+        wrapped.restore()
+    assert len(index) == 12 and wrapped.seen >= 12
