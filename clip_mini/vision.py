@@ -306,7 +306,8 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True)
     if encoder.cfg.backbone != "vit" and fold_bn:   # fold_bn=False: benchmarks/bench_towers.py's comparison arm
         from clip_mini.bn_fold import fold_batchnorm
 
-        # BatchNorm folded into the convolutions (in fp32, before the cast): 1.43x the images/s of the bf16 CNN
+        # BatchNorm folded into the convolutions (in fp32, before the cast): 1.3x the unfolded bf16 copy
+        # (benchmarks/bench_towers.py, bn_folding_speedup)
         size = encoder.cfg.image_size
         example = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
         tower = fold_batchnorm(tower, example.to(next(tower.parameters()).device))
