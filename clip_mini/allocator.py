@@ -5,7 +5,7 @@ above its mmap threshold (128 KiB at start, raised dynamically up to 32 MiB) wit
 unmaps them on free, and it gives the top of the heap back to the kernel once more than its trim threshold is free
 there. A step allocates and frees the same activations every time, so every step the kernel zero-fills them again,
 one page fault per 4 KiB page. Here no block is ``mmap``'d (``M_MMAP_MAX`` 0: large ones come from the heap too,
-so the raised threshold's 32 MiB cap no longer matters; DINOv2's attention maps at batch 64 are ~200 MB each) and
+so the raised threshold's 32 MiB cap no longer matters: DINOv2's MLP activations at batch 64 are 50 MB each) and
 up to ``trim_mib`` of free heap top is kept: the next step reuses the same memory without a fault. What that gives
 is measured by ``benchmarks/bench_allocator.py`` (``results/allocator.json``). The price is that up to
 ``trim_mib`` of freed memory stays with the process instead of going back to the system, and freed blocks below
@@ -13,7 +13,7 @@ the heap top are reused rather than returned. glibc still maps fresh memory wher
 threads other than the main one for blocks larger than their 64 MiB arenas.
 
 A process-wide setting, so the programs (``train.py``, ``clip-mini``) call it at start; importing clip_mini does
-not. Elsewhere than Linux with glibc it does nothing and says so.
+not. Elsewhere than Linux with glibc it changes nothing and returns False.
 """
 from __future__ import annotations
 
