@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(worker(*args.worker)))
         return {}
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from machine import machine_info
+    from machine import machine_info, write_result
 
     result = {"machine": machine_info(), "rounds": args.rounds, "workloads": {}}
     runs: dict = {w: {"plain": [], "kept": []} for w in args.workloads}
@@ -121,12 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{w}: {r['plain']['step_s']:.3f} s plain vs {r['kept']['step_s']:.3f} s kept ({r['speedup']:.2f}x); "
               f"page faults {r['plain']['page_faults_per_step']:.0f} vs {r['kept']['page_faults_per_step']:.0f} "
               f"a step", file=sys.stderr)
-    result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
-    from clip_mini.io import atomic_write_json
-
-    atomic_write_json(args.out, result)
-    print(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

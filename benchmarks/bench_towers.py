@@ -23,7 +23,6 @@ against the bf16 matmul peak of the same run (the FLOP-rate limit). Writes ``ben
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from machine import machine_info, matmul_peak  # noqa: E402
+from machine import machine_info, matmul_peak, write_result  # noqa: E402
 
 
 def _encoder(name: str):
@@ -137,7 +136,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     from clip_mini.allocator import keep_freed_memory
-    from clip_mini.io import atomic_write_json
 
     # as clip-mini sets it for index and eval (benchmarks/bench_allocator.py measures what it gives)
     kept = False if args.plain_malloc else keep_freed_memory()
@@ -154,10 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         if "bf16_compiled" in a:
             print(f"{name}: compiled {a['bf16_compiled']['images_per_s']:.1f} images/s ({r['compiled_speedup']:.2f}x the "
                   f"bf16 copy, after {r['compile_s']:.0f} s of compilation)", file=sys.stderr)
-    result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
-    atomic_write_json(args.out, result)
-    print(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ The tiny config reads ``data/shapes`` (generated into a temporary folder if abse
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import resource
@@ -57,7 +56,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from machine import machine_info, matmul_peak  # noqa: E402 (benchmarks/, this script's folder, is on sys.path)
+from machine import machine_info, matmul_peak, write_result  # noqa: E402 (benchmarks/ is on sys.path)
 FLICKR8K = ROOT.parent / "shared/data/flickr8k/captions.csv"
 
 
@@ -475,12 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: {r['pairs_per_s']:.0f} pairs/s, {r['achieved_gflops']:.0f} GFLOP/s "
               f"({r['fraction_of_fp32_peak']:.2f}x fp32 peak {fp32:.0f}), data wait {r['data_wait_fraction']:.0%}",
               file=sys.stderr)
-    result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
-    from clip_mini.io import atomic_write_json
-
-    atomic_write_json(args.out, result)
-    print(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,17 @@ def machine_info() -> dict:
     return info
 
 
+def write_result(path: str | Path, result: dict) -> dict:
+    """A benchmark's last step: the 1-minute load average at the end into ``result["machine"]``, the JSON written
+    atomically to ``path`` and printed; returns ``result``."""
+    from clip_mini.io import atomic_write_json
+
+    result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
+    atomic_write_json(path, result)
+    print(json.dumps(result, indent=2))
+    return result
+
+
 def matmul_peak(dtype, n: int = 2048, seconds: float = 0.5) -> float:
     """GFLOP/s of a square matmul on this machine (fastest of the repeats within ``seconds``)."""
     import torch

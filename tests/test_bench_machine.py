@@ -43,7 +43,7 @@ def test_every_benchmark_that_writes_results_records_the_machine():
     missing = []
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
         text = script.read_text()
-        writes = re.search(r"atomic_write_(json|text)\(|json\.dump\(|\.write_text\(", text)
+        writes = re.search(r"atomic_write_(json|text)\(|json\.dump\(|\.write_text\(|write_result\(", text)
         # openclip_peer.py writes one variant's scores for quality_flickr8k.py, whose report records the machine
         if writes and script.name not in ("check_readme.py", "quality_table.py", "run_all.py", "openclip_peer.py"):
             if "machine_info()" not in text:
