@@ -193,7 +193,7 @@ class Embedder:
         from clip_mini.data import ImageError, load_image
 
         try:
-            return self.transform(load_image(item))
+            return self.transform(load_image(item, min_size=self.transform.base[0]))
         except ImageError as e:
             return str(e)
 

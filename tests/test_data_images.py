@@ -3,6 +3,7 @@ import cv2
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from PIL import Image
 
 from clip_mini.config import DataConfig
@@ -192,3 +193,71 @@ def test_nul_byte_and_directory_paths_raise_image_error(tmp_path):
     with pytest.raises(ImageError, match="not a regular file but a directory"):
         load_image(tmp_path)
     assert "NUL byte" in check_images([str(tmp_path / "a\0b.png")])[str(tmp_path / "a\0b.png")]
+
+
+def _camera_jpeg(path, size=(2000, 1500), orientation=None):
+    # photo-like content: smooth low-frequency structure plus fine grain, as a camera JPEG has
+    rng = np.random.default_rng(0)
+    low = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
+    arr = np.clip(np.asarray(low, np.int16) + rng.integers(-6, 7, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+    kw = {}
+    if orientation:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kw["exif"] = exif
+    Image.fromarray(arr).save(path, quality=90, **kw)
+    return path
+
+
+def test_large_jpeg_decodes_at_reduced_scale_never_below_the_size_asked(tmp_path):
+    path = _camera_jpeg(tmp_path / "cam.jpg")
+    assert load_image(path).shape == (1500, 2000, 3)
+    assert load_image(path, min_size=288).shape == (375, 500, 3)      # 1/4: both sides stay >= 288
+    assert min(load_image(path, min_size=700).shape[:2]) >= 700       # 1/2 only
+    assert load_image(path, min_size=1000).shape == (1500, 2000, 3)   # no smaller scale keeps 1000
+    # EXIF rotation still applies after the reduced decode (a portrait phone photo)
+    rotated = _camera_jpeg(tmp_path / "rot.jpg", orientation=6)
+    assert load_image(rotated, min_size=288).shape == (500, 375, 3)
+    # the decompression-bomb limit reads the file's own size, not the reduced one
+    with pytest.raises(ImageError, match="exceeds the limit"):
+        load_image(path, max_pixels=2_000_000, min_size=288)
+    png = tmp_path / "cam.png"
+    Image.open(path).save(png)
+    assert load_image(png, min_size=288).shape == (1500, 2000, 3)   # only JPEG has a reduced-scale decode
+
+
+def test_reduced_decode_gives_nearly_the_same_model_input(tmp_path):
+    from clip_mini.config import PreprocessConfig
+    from clip_mini.data import build_eval_transform
+
+    path = _camera_jpeg(tmp_path / "cam.jpg")
+    for mode in ("squash", "center_crop"):
+        tf = build_eval_transform(PreprocessConfig(image_size=224, resize_mode=mode))
+        full, reduced = tf(load_image(path)), tf(load_image(path, min_size=224))
+        assert full.shape == reduced.shape == (3, 224, 224)
+        diff = (full - reduced).abs()   # normalised units (a pixel step is about 0.016)
+        assert diff.mean() < 0.02 and float(torch.nn.functional.cosine_similarity(
+            full.flatten(), reduced.flatten(), dim=0)) > 0.999, (mode, float(diff.mean()))
+
+
+def test_every_embedding_pass_asks_for_the_reduced_decode(tmp_path, monkeypatch):
+    """ImageDataset (index, eval), the transform itself, the image cache and encode_image all pass the model's
+    resize size, so a photo's pixels agree across them."""
+    from clip_mini.config import PreprocessConfig
+    from clip_mini.data import ImageDataset, build_eval_transform
+    from clip_mini.data import cache as cache_mod
+    from clip_mini.data.cache import ImageCache
+
+    path = str(_camera_jpeg(tmp_path / "cam.jpg"))
+    tf = build_eval_transform(PreprocessConfig(image_size=96))
+    direct = tf(load_image(path, min_size=96))
+    ds_pixels = ImageDataset([path], tf)[0][0]
+    torch.testing.assert_close(ds_pixels, direct)
+    torch.testing.assert_close(tf(path), direct)   # the transform decoding a path itself
+    cached = ImageCache(tmp_path / "cache", size=96, mode="squash")
+    torch.testing.assert_close(tf(cached.get(path, tf.base)), direct, atol=1e-6, rtol=0)
+    seen = []
+    real = cache_mod.load_image
+    monkeypatch.setattr(cache_mod, "load_image", lambda *a, **k: seen.append(k.get("min_size")) or real(*a, **k))
+    cache_mod.decode_resized(path, 96, "squash")
+    assert seen == [96]

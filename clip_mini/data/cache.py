@@ -52,8 +52,9 @@ def _resizer(size: int, mode: str):
 
 
 def decode_resized(path: str, size: int, mode: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """What the cache stores for ``path``: full decode, then the eval transform's resize step."""
-    img = load_image(path, max_pixels)
+    """What the cache stores for ``path``: the decode (a large JPEG at reduced scale, never below ``size``, as
+    ``load_image(min_size=)`` does for every pass), then the eval transform's resize step."""
+    img = load_image(path, max_pixels, min_size=size)
     return np.ascontiguousarray(_resizer(size, mode)(image=img)["image"], dtype=np.uint8)
 
 

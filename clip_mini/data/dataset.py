@@ -72,7 +72,10 @@ class _ImageSource:
         self.bad_files: set[str] = set()   # per process; each file is warned about once
 
     def _pixels(self, path: str) -> torch.Tensor:
-        img = self.cache.get(path, self.transform.base) if self.cache is not None else load_image(path)
+        if self.cache is not None:
+            img = self.cache.get(path, self.transform.base)
+        else:   # a large JPEG decodes at reduced scale, as the cache's records do (data/cache.py)
+            img = load_image(path, min_size=getattr(self.transform, "base", (None,))[0])
         return self.transform(img)
 
     def _warn(self, path: str, err: Exception) -> None:

@@ -53,13 +53,17 @@ class ImageError(ClipMiniError, ValueError):
         self.reason = reason
 
 
-def load_image(src: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+def load_image(src: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: int | None = None) -> np.ndarray:
     """Decode ``src`` into an (H, W, 3) uint8 RGB array.
 
     Args:
         src: a file path, a ``PIL.Image.Image``, or a numpy array shaped (H, W), (H, W, 1), (H, W, 3) or
             (H, W, 4), uint8 or float in [0, 1] (4 channels are RGBA, composited on white).
         max_pixels: images with more pixels are refused before decoding (decompression bombs).
+        min_size: the smallest width and height the caller needs (the model's resize target). A JPEG file at
+            least twice that size on both sides is decoded at 1/2, 1/4 or 1/8 scale by libjpeg itself (Pillow's
+            ``draft``), never below ``min_size``: a camera photo costs a fraction of a full decode, and the
+            resize that follows antialiases from a still larger image. Other formats decode in full.
 
     Raises:
         ImageError: missing, unreadable, truncated, oversized or unsupported input.
@@ -74,6 +78,9 @@ def load_image(src: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.nda
     data = _read_whole(path)
     try:
         with Image.open(io.BytesIO(data), formats=_FORMATS) as im:
+            if min_size and im.format == "JPEG":
+                _check_pixels(im, path, max_pixels)   # on the file's own size, before draft shrinks ``im.size``
+                im.draft(None, (min_size, min_size))
             return _from_pil(im, path, max_pixels)
     except ImageError:
         raise
@@ -100,10 +107,14 @@ def _read_whole(path: str) -> bytes:
     return data
 
 
-def _from_pil(im: Image.Image, name: str, max_pixels: int) -> np.ndarray:
+def _check_pixels(im: Image.Image, name: str, max_pixels: int) -> None:
     w, h = im.size
     if w * h > max_pixels:
         raise ImageError(name, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (decompression bomb?)")
+
+
+def _from_pil(im: Image.Image, name: str, max_pixels: int) -> np.ndarray:
+    _check_pixels(im, name, max_pixels)
     im = ImageOps.exif_transpose(im)   # phone photos store rotation in EXIF; captions describe the upright view
     mode = im.mode
     if mode in ("I", "F") or mode.startswith("I;16"):

@@ -80,7 +80,7 @@ class ImageTransform:
                 or image.shape[2] != 3:
             from clip_mini.data.images import load_image
 
-            image = load_image(image)
+            image = load_image(image, min_size=self.base[0])
         if os.getpid() != self._pid:
             self._pid = os.getpid()
             self.compose.set_random_seed(torch.initial_seed() % 2**32)

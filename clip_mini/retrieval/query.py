@@ -111,7 +111,8 @@ class ImageQueryEncoder:
                 try:
                     if isinstance(item, (bytes, bytearray)):
                         item = _decode_bytes(bytes(item))
-                    pixels.append(eval_pixels(load_image(item), self.preprocess))
+                    image = load_image(item, min_size=int(self.preprocess["image_size"]))
+                    pixels.append(eval_pixels(image, self.preprocess))
                 except ImageError as e:
                     raise QueryEncoderError(f"image {i}: {e}") from None
             out.append(self.session.run(None, {"pixels": np.stack(pixels)})[0])
