@@ -20,6 +20,8 @@ and ``configs/flickr8k.yaml``'s (EfficientNet-Lite0 and DINOv2 concatenated: the
   in under 2 GB RSS; most of the ~1 GB is torch itself).
 
 Falls back to generated JPEGs when the Flickr8k folder is absent. Writes ``benchmarks/results/index.json``.
+``benchmarks/results/index_full_decode.json`` is this script's last run before JPEGs were decoded at reduced
+scale (``load_image(min_size=)``), kept for the comparison.
 """
 from __future__ import annotations
 

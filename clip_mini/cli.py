@@ -97,7 +97,7 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ix.add_argument("--ray-workers", type=_positive_int, default=2, help="with --ray: embedding actors")
     ix.add_argument("--batch-size", type=_positive_int, default=64, help="images per forward pass")
     ix.add_argument("--workers", type=_count, default=None,
-                    help="DataLoader workers decoding images (default: 1 on a CPU with 2+ cores, 4 on a GPU)")
+                    help="DataLoader workers decoding images (default: none on a CPU, 4 on a GPU)")
     ix.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                     help="image tower precision (auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 BF16 or "
                          "AMX), where it is 1.5-3x fp32 within 1e-2 cosine; else fp32)")
@@ -159,7 +159,7 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
     ev.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                     help="autocast precision (default: the one the model was trained and evaluated at, else fp32)")
     ev.add_argument("--workers", type=_count, default=None,
-                    help="DataLoader workers decoding images (default: 1 on a CPU with 2+ cores, 4 on a GPU)")
+                    help="DataLoader workers decoding images (default: none on a CPU, 4 on a GPU)")
     ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_device(ev)
     add_quiet(ev)

@@ -104,12 +104,15 @@ def loader_workers(workers: Optional[int]) -> int:
 
 def default_workers(workers: Optional[int], device: torch.device) -> int:
     """Image-decoding DataLoader workers for an embedding pass (``index``, ``eval``): ``workers`` when given; else
-    4 processes on a GPU (decoding is then the bottleneck), and on a CPU one process when there are two cores or
-    more: it decodes the next batch while the model embeds this one, which measured faster than decoding in the
-    main process for a heavy and a light model, bf16 and fp32 (benchmarks/bench_index.py, results/index.json),
-    even though the worker and the model share the cores; none on a single core."""
+    4 processes on a GPU (decoding is then the bottleneck) and none on a CPU: there the model's forward already
+    uses every core, and a decoding process beside it measured no faster, and often slower, than decoding in
+    between batches, on the Flickr8k dev photos and on camera-size ones (``benchmarks/bench_index.py``,
+    ``results/index.json``; large JPEGs decode at reduced scale, ``load_image(min_size=)``, which keeps decoding
+    cheap). ``--workers 1`` still overlaps decoding where a CPU has cores to spare."""
     if workers is not None:
         return workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # an embedder of the user's own may say its device as a string ("cpu", "cuda:0")
-    return min(4, cores) if torch.device(device).type == "cuda" else min(1, cores - 1)
+    if torch.device(device).type != "cuda":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cores)

@@ -211,32 +211,33 @@ def test_torchrun_shards_then_merge(model_dir, image_folder, tmp_path):
     assert sorted(p.name for p in (out / "shards").iterdir()) == ["0-of-2", "1-of-2"]
 
 
-def test_default_workers_one_decoder_on_a_multicore_cpu(monkeypatch):
+def test_default_workers_decode_in_process_on_a_cpu(monkeypatch):
     import torch
 
     from clip_mini import devices
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert (devices.default_workers(None, cpu), devices.default_workers(None, gpu)) == (1, 2)
-    assert devices.default_workers(0, cpu) == 0 and devices.default_workers(3, cpu) == 3   # --workers wins
-    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert devices.default_workers(None, cpu) == 0   # one core: no process to overlap with
+    assert (devices.default_workers(None, cpu), devices.default_workers(None, gpu)) == (0, 2)
+    assert devices.default_workers(None, "cpu") == 0 and devices.default_workers(None, "cuda:0") == 2
+    assert devices.default_workers(1, cpu) == 1 and devices.default_workers(3, cpu) == 3   # --workers wins
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert (devices.default_workers(None, cpu), devices.default_workers(None, gpu)) == (0, 4)
 
 
-def test_index_default_worker_matches_in_process_decoding(model_dir, image_folder, tmp_path, monkeypatch):
+def test_index_in_process_default_matches_a_decoding_worker(model_dir, image_folder, tmp_path, monkeypatch):
     from clip_mini import devices
     from clip_mini.retrieval.index import EmbeddingIndex
 
     used = []
     real = devices.default_workers
     monkeypatch.setattr(devices, "default_workers", lambda w, d: used.append(real(w, d)) or used[-1])
-    for name, extra in (("default", []), ("inline", ["--workers", "0"])):
+    for name, extra in (("default", []), ("worker", ["--workers", "1"])):
         assert main(["index", "--model", str(model_dir), "--images", str(image_folder), "--out",
                      str(tmp_path / name), "--quiet", *extra]) == 0
-    assert used == [min(1, len(os.sched_getaffinity(0)) - 1), 0]   # the CPU default, then --workers 0
+    assert used == [0, 1]   # the CPU default (in-process decoding), then --workers 1
     api = EmbeddingIndex.build(tmp_path / "api", model=str(model_dir), images=str(image_folder), progress=False)
     assert len(api) == 12 and used[-1] == used[0]   # the Python API decodes as the command line does
-    a, b = EmbeddingIndex.load(tmp_path / "default"), EmbeddingIndex.load(tmp_path / "inline")
+    a, b = EmbeddingIndex.load(tmp_path / "default"), EmbeddingIndex.load(tmp_path / "worker")
     assert a.items["path"] == b.items["path"] and len(a) == 12
     np.testing.assert_array_equal(np.asarray(a.embeddings), np.asarray(b.embeddings))
