@@ -183,7 +183,7 @@ def test_training_pixels_are_the_same_with_the_cache_on_or_off(tmp_path, mode):
     warm = _train_pixels(df, pre, cfg, make_cache(cfg, pre, len(paths)))    # records read back
     assert off.shape == (3, 3, 32, 32)
     assert torch.equal(off, cold) and torch.equal(off, warm)
-    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [f"images-{mode}-32-v1", f"images-{mode}-64-v1"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [f"images-{mode}-32-v2", f"images-{mode}-64-v2"]
 
 
 def test_training_crops_come_from_a_copy_large_enough_not_to_be_enlarged():
@@ -374,6 +374,6 @@ def test_read_only_cache_still_serves_and_never_raises(tmp_path, monkeypatch):
     ro = ImageCache(tmp_path / "c", 16, "squash")
     assert np.array_equal(ro.get(p), decode_resized(p, 16, "squash")) and ro.hits == 1
     assert np.array_equal(ro.get(q), decode_resized(q, 16, "squash")) and not ro.writable
-    (tmp_path / "c" / "images-squash-16-v1" / "index.tsv").unlink()   # now not even readable
+    (tmp_path / "c" / "images-squash-16-v2" / "index.tsv").unlink()   # now not even readable
     none = ImageCache(tmp_path / "c", 16, "squash")
     assert np.array_equal(none.get(q), decode_resized(q, 16, "squash")) and none.misses == 0

@@ -37,7 +37,7 @@ def test_resize_mode_and_truncation_flow_through_training(shapes, tmp_path, caps
     assert json.loads((run / "final" / "preprocess.json").read_text())["resize_mode"] == "center_crop"
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["resize_mode"] == "center_crop"
     assert clip_mini.load(run / "final").transform.base == (32, "center_crop")
-    assert sorted(p.name for p in cache.iterdir()) == ["images-center_crop-32-v1", "images-center_crop-64-v1"]
+    assert sorted(p.name for p in cache.iterdir()) == ["images-center_crop-32-v2", "images-center_crop-64-v2"]
 
     # truncation: shapes captions ("a small red circle at the top left") are longer than 5 tokens
     train_lines = [line for line in out.splitlines() if "train captions are longer" in line]

@@ -1,6 +1,6 @@
 """Decoded-image cache: each image is decoded and resized once, later epochs read raw uint8 pixels.
 
-Layout (one folder per target size and resize mode, e.g. ``~/.cache/clip_mini/images-squash-64-v1/``):
+Layout (one folder per target size and resize mode, e.g. ``~/.cache/clip_mini/images-squash-64-v2/``):
 
 * ``data.bin``: append-only uint8 pixel records, read with one ``pread`` each (no JPEG decode, no resize);
 * ``index.tsv``: one line per record, ``key  offset  height  width  crc32``; the key hashes the image's
@@ -37,7 +37,7 @@ from clip_mini.config import DataConfig, PreprocessConfig
 from clip_mini.data.images import DEFAULT_MAX_PIXELS, ImageError, load_image
 from clip_mini.data.transforms import resize_op, train_base_size
 
-VERSION = 1
+VERSION = 2   # 2: large JPEGs decoded at reduced scale (load_image(min_size=)); v1 records were full decodes
 _FREE_MARGIN = 1 << 30   # leave at least 1 GiB free on the cache disk
 
 

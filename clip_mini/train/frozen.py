@@ -98,7 +98,9 @@ def features_key(digest: str, cfg: Config, view: int) -> str:
     """
     aug = ({"data": {k: getattr(cfg.data, k) for k in ("scale_min", "color_jitter", "hflip")},
             "seed": cfg.train.seed} if view else {})
-    blob = json.dumps({"inputs": digest, "view": view, **aug}, sort_keys=True, default=str)
+    from clip_mini.data.cache import VERSION as decode_version   # how images are decoded (large JPEGs: reduced)
+
+    blob = json.dumps({"inputs": digest, "view": view, "decode": decode_version, **aug}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
