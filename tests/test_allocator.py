@@ -40,7 +40,9 @@ def test_freed_memory_is_reused_without_page_faults():
     # Without the setting glibc gives the heap top (or the mmap'd blocks) back and every step faults them in again;
     # if that ever stops being so, the setting has nothing left to do and this says it.
     assert plain > 4 * ACTIVATION_PAGES, plain
-    assert kept <= 2 * ACTIVATION_PAGES and kept < plain / 5, (kept, plain)
+    # a heap that still grows once (another process on the cores shifts the order of frees) may fault a couple of
+    # activations in; a heap handing memory back faults every activation, every step
+    assert kept <= 4 * ACTIVATION_PAGES and kept < plain / 10, (kept, plain)
 
 
 def test_both_programs_set_it():
