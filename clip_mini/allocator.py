@@ -18,7 +18,6 @@ not. Elsewhere than Linux with glibc it changes nothing and returns False.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 # mallopt(3) parameters, from glibc's malloc.h
@@ -34,7 +33,7 @@ def keep_freed_memory(trim_mib: int = 512) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)   # the process's own symbols: libc is loaded; find_library would run ldconfig
         mallopt = libc.mallopt
         libc.gnu_get_libc_version   # glibc only: musl has a mallopt that ignores these parameters
     except (OSError, AttributeError):
