@@ -10,6 +10,8 @@ Gradient-free passes under ``torch.inference_mode``, as the feature pass and ind
 * ``bf16_weights``: ``vision.inference_tower`` (a bf16 copy of the tower, channels-last for the CNN, its BatchNorms
   folded into the convolutions), what the feature pass and indexing now run under ``precision: bf16``;
 * ``bf16_weights_unfolded_bn`` (CNN only): the same copy without the folding, to measure what it adds;
+* ``bf16_weights_unfused_acts`` (CNN only): the same copy with timm's activations as built (in place, after the
+  convolution) instead of fused into it (``clip_mini.conv_act``), to measure what the fusion adds;
 * ``bf16_compiled``: the bf16 copy through ``torch.compile`` (inductor, frozen weights: ``train.compile_tower``,
   ``clip_mini/compile_pass.py``); its one-time compilation is timed apart (``compile_s``). ``--no-compile`` leaves
   it out (inductor needs a C++ compiler);
@@ -75,6 +77,8 @@ def bench_tower(name: str, batch: int, rounds: int, compiled: bool = True) -> di
     if encoder.cfg.backbone != "vit":   # what folding BatchNorm into the convolutions adds, in the same rounds
         unfolded = inference_tower(encoder, "bf16", fold_bn=False)
         arms["bf16_weights_unfolded_bn"] = (unfolded, tower_input(unfolded, pixels), nullcontext)
+        unfused = inference_tower(encoder, "bf16", fuse_acts=False)
+        arms["bf16_weights_unfused_acts"] = (unfused, tower_input(unfused, pixels), nullcontext)
     compile_s = None
     if compiled:   # train.compile_tower: the bf16 copy through torch.compile (inductor, frozen weights)
         from clip_mini.compile_pass import CompiledPass
@@ -118,6 +122,9 @@ def bench_tower(name: str, batch: int, rounds: int, compiled: bool = True) -> di
     out["bf16_weights_vs_autocast"] = arms["bf16_weights"]["images_per_s"] / arms["autocast"]["images_per_s"]
     if "bf16_weights_unfolded_bn" in arms:
         out["bn_folding_speedup"] = arms["bf16_weights"]["images_per_s"] / arms["bf16_weights_unfolded_bn"]["images_per_s"]
+    if "bf16_weights_unfused_acts" in arms:
+        out["activation_fusion_speedup"] = (arms["bf16_weights"]["images_per_s"]
+                                            / arms["bf16_weights_unfused_acts"]["images_per_s"])
     if "bf16_compiled" in arms:
         out["compiled_speedup"] = arms["bf16_compiled"]["images_per_s"] / arms["bf16_weights"]["images_per_s"]
     return out

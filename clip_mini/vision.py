@@ -289,12 +289,13 @@ def concat_config(cfg: VisionConfig) -> VisionConfig:
                         trainable=False, pooling=cfg.concat_pooling, **DINOV2_GEOMETRY)
 
 
-def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True) -> ImageEncoder:
+def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
+                    fuse_acts: bool = True) -> ImageEncoder:
     """The image tower for a pass that records no gradient (feature precompute, indexing).
 
     Under ``precision == "bf16"`` a copy with bf16 weights (channels-last for a CNN, its BatchNorms folded into the
-    convolutions: ``clip_mini.bn_fold``), run without autocast: no per-call weight casts and no fp32 round trips
-    around the norms. On this CPU that is 1.5-2x the images/s of
+    convolutions: ``clip_mini.bn_fold``, its ReLU6 applied by them: ``clip_mini.conv_act``), run without autocast:
+    no per-call weight casts and no fp32 round trips around the norms. On this CPU that is 1.5-2x the images/s of
     the fp32 tower under bf16 autocast, and within 1e-2 cosine of fp32 (``benchmarks/bench_towers.py``). Any
     other precision: the encoder itself. Feed it ``tower_input(tower, pixels)``; its outputs are bf16.
     """
@@ -307,13 +308,26 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True)
         from clip_mini.bn_fold import fold_batchnorm
 
         # BatchNorm folded into the convolutions (in fp32, before the cast): 1.3x the unfolded bf16 copy
-        # (benchmarks/bench_towers.py, bn_folding_speedup)
-        size = encoder.cfg.image_size
-        example = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
-        tower = fold_batchnorm(tower, example.to(next(tower.parameters()).device))
+        # (benchmarks/bench_towers.py, bn_folding_speedup). Folding is per channel, so the trunk alone on a small
+        # example checks it: the whole tower at full size twice (the locked DINOv2 of a concat tower included)
+        # took 0.6 s, 5% of indexing 500 photos (benchmarks/bench_index.py).
+        example = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+        tower.trunk = fold_batchnorm(tower.trunk, example.to(next(tower.parameters()).device))
     tower = tower.to(torch.bfloat16)
     if encoder.cfg.backbone != "vit":   # oneDNN's bf16 convolutions want NHWC
         tower = tower.to(memory_format=torch.channels_last)
+    if encoder.cfg.backbone != "vit" and fuse_acts:
+        from clip_mini.conv_act import fuse_conv_act
+
+        # each ReLU6 as a post-op of the convolution before it (clip_mini/conv_act.py), and whatever activation is
+        # left out of place: ATen's in-place bf16 elementwise kernels (hardtanh_, relu_) run at about a third of the
+        # out-of-place ones on this CPU. Together 1.2x on EfficientNet-Lite0's bf16 pass, same values
+        # (benchmarks/bench_towers.py, activation_fusion_speedup).
+        example = tower_input(tower, torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)))
+        tower.trunk = fuse_conv_act(tower.trunk, example.to(next(tower.parameters()).device))
+        for m in tower.modules():
+            if getattr(m, "inplace", None) is True:
+                m.inplace = False
     return tower
 
 
