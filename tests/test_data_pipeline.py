@@ -47,6 +47,24 @@ def test_eval_transform_shape_range_and_normalisation(mode):
     assert -1.0 <= float(y.min()) and float(y.max()) <= 1.0 and float(y.std()) > 0.1
 
 
+@pytest.mark.parametrize("mean,std", [((0.5,) * 3, (0.5,) * 3), ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))],
+                         ids=["equal", "imagenet"])
+def test_lut_normalise_is_bitwise_albumentations_normalize(mean, std):
+    import albumentations as A
+
+    from clip_mini.data.transforms import LutNormalize
+
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    img[0, :3] = [[0, 0, 0], [255, 255, 255], [1, 128, 254]]   # the table's ends
+    ours, theirs = LutNormalize(mean=mean, std=std), A.Normalize(mean=mean, std=std)
+    got, want = ours(image=img)["image"], theirs(image=img)["image"]
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got, want)
+    floats = rng.random((5, 7, 3), dtype=np.float32)   # not the uint8 fast path: albumentations' own
+    assert np.array_equal(ours(image=floats)["image"], theirs(image=floats)["image"])
+
+
 def test_center_crop_keeps_the_middle_and_squash_keeps_everything():
     img = np.zeros((40, 80, 3), np.uint8)
     img[:, 20:60] = 255   # white middle square, black sides
