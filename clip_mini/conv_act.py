@@ -1,7 +1,9 @@
 """Fuse a convolution and the activation after it into one oneDNN call, for the bf16 inference copy of a CNN tower.
 
-After BatchNorm folding (``clip_mini.bn_fold``), EfficientNet-Lite0's bf16 pass still sweeps every feature map a
-second time for its ReLU6: a separate, memory-bound clamp that took about 15% of the pass at 288 px. oneDNN
+After BatchNorm folding (``clip_mini.bn_fold``), EfficientNet-Lite0's bf16 pass still swept every feature map a
+second time for its ReLU6: a separate, memory-bound clamp, in place as timm builds it, and ATen's in-place bf16
+kernels run at about a third of the speed of its out-of-place ones on this CPU. Fusing it gave 2.15x on the bf16
+pass at 224 px (``benchmarks/bench_towers.py``, ``activation_fusion_speedup``). oneDNN
 applies the same clamp as a post-op while the convolution writes its output; ATen exposes that as
 ``torch.ops.mkldnn._convolution_pointwise``, the op inductor's CPU fusion emits for frozen CNNs. The outputs are
 bitwise the same (a clamp of the same bf16 values).

@@ -307,8 +307,8 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
     if encoder.cfg.backbone != "vit" and fold_bn:   # fold_bn=False: benchmarks/bench_towers.py's comparison arm
         from clip_mini.bn_fold import fold_batchnorm
 
-        # BatchNorm folded into the convolutions (in fp32, before the cast): 1.3x the unfolded bf16 copy
-        # (benchmarks/bench_towers.py, bn_folding_speedup). Folding is per channel, so the trunk alone on a small
+        # BatchNorm folded into the convolutions (in fp32, before the cast): 2x the unfolded bf16 copy, whose
+        # ReLU6 cannot join the convolutions either (benchmarks/bench_towers.py, bn_folding_speedup). Folding is per channel, so the trunk alone on a small
         # example checks it: the whole tower at full size twice (the locked DINOv2 of a concat tower included)
         # took 0.6 s, 5% of indexing 500 photos (benchmarks/bench_index.py).
         example = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -321,8 +321,8 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
 
         # each ReLU6 as a post-op of the convolution before it (clip_mini/conv_act.py), and whatever activation is
         # left out of place: ATen's in-place bf16 elementwise kernels (hardtanh_, relu_) run at about a third of the
-        # out-of-place ones on this CPU. Together 1.2x on EfficientNet-Lite0's bf16 pass, same values
-        # (benchmarks/bench_towers.py, activation_fusion_speedup).
+        # out-of-place ones on this CPU. Together 2.15x on EfficientNet-Lite0's bf16 pass at 224 px, same
+        # values (benchmarks/bench_towers.py, activation_fusion_speedup).
         example = tower_input(tower, torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)))
         tower.trunk = fuse_conv_act(tower.trunk, example.to(next(tower.parameters()).device))
         for m in tower.modules():
