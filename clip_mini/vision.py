@@ -295,9 +295,10 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
 
     Under ``precision == "bf16"`` a copy with bf16 weights (channels-last for a CNN, its BatchNorms folded into the
     convolutions: ``clip_mini.bn_fold``, its ReLU6 applied by them: ``clip_mini.conv_act``), run without autocast:
-    no per-call weight casts and no fp32 round trips around the norms. On this CPU that is 1.5-2x the images/s of
-    the fp32 tower under bf16 autocast, and within 1e-2 cosine of fp32 (``benchmarks/bench_towers.py``). Any
-    other precision: the encoder itself. Feed it ``tower_input(tower, pixels)``; its outputs are bf16.
+    no per-call weight casts and no fp32 round trips around the norms. On this CPU that is 1.1x (DINOv2 ViT-S/14) to
+    4x (EfficientNet-Lite0) the images/s of the fp32 tower under bf16 autocast, and within 1e-2 cosine of fp32
+    (``benchmarks/bench_towers.py``). Any other precision: the encoder itself. Feed it ``tower_input(tower,
+    pixels)``; its outputs are bf16.
     """
     if precision != "bf16":
         return encoder
@@ -308,9 +309,9 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
         from clip_mini.bn_fold import fold_batchnorm
 
         # BatchNorm folded into the convolutions (in fp32, before the cast): 2x the unfolded bf16 copy, whose
-        # ReLU6 cannot join the convolutions either (benchmarks/bench_towers.py, bn_folding_speedup). Folding is per channel, so the trunk alone on a small
-        # example checks it: the whole tower at full size twice (the locked DINOv2 of a concat tower included)
-        # took 0.6 s, 5% of indexing 500 photos (benchmarks/bench_index.py).
+        # ReLU6 cannot join the convolutions either (benchmarks/bench_towers.py, bn_folding_speedup). Folding is
+        # per channel, so the trunk alone on a small example checks it: the whole tower at full size twice (the
+        # locked DINOv2 of a concat tower included) took 0.6 s, 5% of indexing 500 photos (benchmarks/bench_index.py).
         example = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
         tower.trunk = fold_batchnorm(tower.trunk, example.to(next(tower.parameters()).device))
     tower = tower.to(torch.bfloat16)

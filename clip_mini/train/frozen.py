@@ -127,7 +127,7 @@ class _ViewDataset(Dataset):
 class TowerPass:
     """The locked tower as the frozen-feature pass runs it, built once for all the views of a split.
 
-    Under bf16 a bf16-weight copy (``vision.inference_tower``: 1.5-2x the images/s of autocast) run as it is;
+    Under bf16 a bf16-weight copy (``vision.inference_tower``: 1.1x to 4x the images/s of autocast) run as it is;
     ``blocks = k > 0``: the token states before the last ``k`` blocks; ``compile``: through ``torch.compile``
     (``clip_mini.compile_pass``: one compilation for every view and batch, eager if compiling fails).
     """
