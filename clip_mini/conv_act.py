@@ -99,6 +99,6 @@ def fuse_conv_act(model: nn.Module, example: torch.Tensor) -> nn.Module:
         return model
     try:
         same = torch.equal(fused(example), model(example))
-    except RuntimeError:   # a layout or dtype this build's oneDNN op refuses
+    except (RuntimeError, TypeError):   # a layout, dtype or signature this build's op refuses
         return model
     return fused if same else model

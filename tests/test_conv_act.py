@@ -82,6 +82,15 @@ def test_fuse_refuses_when_the_copy_disagrees(monkeypatch):
     assert fuse_conv_act(model, _pixels(2, 64, 0)) is model
 
 
+def test_fuse_refuses_when_the_op_fails(monkeypatch):
+    def refuse(self, x):
+        raise RuntimeError("mkldnn: unsupported format")   # what a build's op says for a layout it cannot run
+
+    monkeypatch.setattr(ConvAct, "forward", refuse)
+    model = _bf16_trunk("")
+    assert fuse_conv_act(model, _pixels(2, 64, 0)) is model
+
+
 def test_fuse_refuses_without_the_op_or_off_eval(monkeypatch):
     model = _bf16_trunk("")
     assert fuse_conv_act(model.train(), _pixels(2, 64, 0)) is model
