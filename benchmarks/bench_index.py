@@ -11,7 +11,8 @@ and ``configs/flickr8k.yaml``'s (EfficientNet-Lite0 and DINOv2 concatenated: the
   batch: the ceiling for indexing;
 * ``index``: ``sync_index`` on ``limit`` JPEGs (stat, sha256, decode, resize, forward, chunked writes, commit),
   fp32 and bf16, with 0 and 1 DataLoader workers; ``vs_forward`` is its images/s over the forward's at the same
-  precision;
+  precision; ``vs_forward_same_process`` the median over rounds of its images/s over a pure forward timed in the
+  same process right after it (the pair seconds apart, so the VM's drift over minutes cancels);
 * ``big_photos`` (the flickr8k model, ``--big-photos N``): ``sync_index`` in bf16 with 0 and 1 workers on the first
   N photos enlarged to 2000 x 1500 JPEGs (quality 90): the decoding cost of a phone or camera photo, which the
   160 px dev photos do not have, for the choice of the default worker count;
@@ -84,7 +85,11 @@ def run_forward(model_dir: str, batch: int, n_batches: int, precision: str) -> d
             "batch": batch, "image_size": size, "threads": torch.get_num_threads(), "peak_rss_mb": _peak_rss_mb()}
 
 
-def run_index(model_dir: str, folder: str, limit: int, workers: int, precision: str, out_dir: str) -> dict:
+def run_index(model_dir: str, folder: str, limit: int, workers: int, precision: str, out_dir: str,
+              forward_batches: int = 0) -> dict:
+    """``sync_index`` on the first ``limit`` images of ``folder``; then, with ``forward_batches``, the pure forward
+    in the same process right after (``forward_images_per_s``): this VM's speed drifts by 5-10% over minutes, and
+    the pair a few seconds apart moves together. Peak RSS is read before that forward."""
     import clip_mini
     from clip_mini.retrieval.files import scan_images
     from clip_mini.retrieval.build import sync_index
@@ -97,9 +102,12 @@ def run_index(model_dir: str, folder: str, limit: int, workers: int, precision: 
     t = time.perf_counter()
     sync_index(out_dir, e, files, workers=workers, precision=precision, progress=False)   # unchanged: stat only
     noop = time.perf_counter() - t
-    return {"images": len(index), "workers": workers, "precision": precision, "seconds": round(secs, 2),
-            "images_per_s": round(len(index) / secs, 1), "unchanged_rerun_s": round(noop, 3),
-            "peak_rss_mb": _peak_rss_mb()}
+    out = {"images": len(index), "workers": workers, "precision": precision, "seconds": round(secs, 2),
+           "images_per_s": round(len(index) / secs, 1), "unchanged_rerun_s": round(noop, 3),
+           "peak_rss_mb": _peak_rss_mb()}
+    if forward_batches:
+        out["forward_images_per_s"] = run_forward(model_dir, 64, forward_batches, precision)["images_per_s"]
+    return out
 
 
 class _StubEmbedder:
@@ -184,7 +192,8 @@ def main(argv=None) -> dict:
         keep_freed_memory()   # as `clip-mini index` sets it; the pure forward too, so the ratio compares like with like
         kind, *rest = args.child
         fn = {"forward": lambda: run_forward(rest[0], 64, int(rest[1]), rest[2]),
-              "index": lambda: run_index(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4], rest[5]),
+              "index": lambda: run_index(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4], rest[5],
+                                         int(rest[6]) if len(rest) > 6 else 0),
               "stub": lambda: run_stub(int(rest[0]), rest[1])}[kind]
         print(json.dumps(fn()))
         return {}
@@ -210,7 +219,8 @@ def main(argv=None) -> dict:
                     for workers in (0, 1):
                         idx_rounds.setdefault(f"{precision}_workers{workers}", []).append(_child(
                             "index", model_dir, folder, limit, workers, precision,
-                            Path(tmp) / f"index-{model_dir.name}-{precision}-{workers}-{len(fwd_rounds[precision])}"))
+                            Path(tmp) / f"index-{model_dir.name}-{precision}-{workers}-{len(fwd_rounds[precision])}",
+                            4 if big else 10))
             forward = {**fwd_rounds["bf16"][0],
                        "images_per_s": {p: _median(r, "images_per_s") for p, r in fwd_rounds.items()},
                        "images_per_s_all": {p: [x["images_per_s"] for x in r] for p, r in fwd_rounds.items()},
@@ -221,6 +231,11 @@ def main(argv=None) -> dict:
                      "seconds": _median(rounds, "seconds"), "peak_rss_mb": max(x["peak_rss_mb"] for x in rounds),
                      "images_per_s_all": [x["images_per_s"] for x in rounds]}
                 r["vs_forward"] = round(r["images_per_s"] / forward["images_per_s"][r["precision"]], 3)
+                # each round's index over the forward timed in the same process seconds later, then the median
+                paired = [x["images_per_s"] / x["forward_images_per_s"] for x in rounds]
+                r["vs_forward_same_process_all"] = [round(v, 3) for v in paired]
+                r["vs_forward_same_process"] = round(statistics.median(paired), 3)
+                r.pop("forward_images_per_s")
                 runs[name] = r
             best = max(runs.values(), key=lambda r: r["images_per_s"])
             result["models"][config] = {"forward": forward, "index": runs, "best": {
