@@ -10,8 +10,8 @@ bitwise the same (a clamp of the same bf16 values).
 
 It is an internal op, so ``fuse_conv_act`` uses it only where it exists and checks its own output against the
 unfused module on an example, returning the module unchanged otherwise. The fused module runs the plain
-convolution and activation whenever the fused call cannot: off the CPU, or where a graph is being recorded
-(the op has no backward).
+convolution and activation whenever the fused call cannot: off the CPU, or where a graph would be recorded
+(an input or a weight that needs a gradient under grad mode: the op has no backward).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class ConvAct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.conv
-        if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)):
             return self.act(conv(x))
         padding = conv.padding
         if isinstance(conv, Conv2dSame):

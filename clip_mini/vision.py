@@ -311,7 +311,7 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
         # BatchNorm folded into the convolutions (in fp32, before the cast): 2x the unfolded bf16 copy, whose
         # ReLU6 cannot join the convolutions either (benchmarks/bench_towers.py, bn_folding_speedup). Folding is
         # per channel, so the trunk alone on a small example checks it: the whole tower at full size twice (the
-        # locked DINOv2 of a concat tower included) took 0.6 s, 5% of indexing 500 photos (benchmarks/bench_index.py).
+        # locked DINOv2 of a concat tower included) took 0.6 s, 5% of indexing 500 photos in a profile.
         example = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
         tower.trunk = fold_batchnorm(tower.trunk, example.to(next(tower.parameters()).device))
     tower = tower.to(torch.bfloat16)

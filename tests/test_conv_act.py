@@ -75,6 +75,13 @@ def test_fused_pairs_fall_back_where_a_graph_is_recorded():
     torch.testing.assert_close(grad, x.grad)
 
 
+def test_fused_pairs_fall_back_for_trainable_weights():
+    conv = nn.Conv2d(8, 8, 3, padding=1)   # weights that need a gradient, input that does not
+    x = torch.randn(2, 8, 16, 16)
+    ConvAct(conv, nn.ReLU6())(x).sum().backward()
+    assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0
+
+
 def test_fuse_refuses_when_the_copy_disagrees(monkeypatch):
     model = _bf16_trunk("")
     monkeypatch.setattr(conv_act, "_post_op", lambda act: ("hardtanh", [0.0, 5.0]) if isinstance(act, nn.ReLU6)
