@@ -27,7 +27,10 @@ pass over the images is timed separately; ``flickr8k-pixels`` is the same model 
 
 **Allocator**: the whole process runs with freed memory kept (``clip_mini/allocator.py``, as ``train.py`` and
 ``clip-mini`` set it), open_clip's arms included; ``--plain-malloc`` leaves glibc's defaults
-(``--out benchmarks/results/train_plain_malloc.json``: what that lever gives). Every timed step also records its
+(``--out benchmarks/results/train_plain_malloc.json``: what that lever gives); ``--trim-mib N`` keeps N MiB of free
+heap top instead of the allocator's default (``--configs flickr8k-pixels --peer-batches --trim-mib 512 --out
+benchmarks/results/train_trim512.json``, and the default as ``benchmarks/results/train_trim2047.json``: what the
+larger default gives the step that runs the towers on pixels). Every timed step also records its
 page faults and kernel CPU seconds (``page_faults_per_step``, ``kernel_cpu_s_per_step``), medians in the peer.
 
 ``step_profile_s``: where the eager step's time goes (matrix products, GELU, LayerNorm, copies and casts, softmax,
@@ -44,6 +47,7 @@ The tiny config reads ``data/shapes`` (generated into a temporary folder if abse
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import resource
@@ -435,15 +439,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc's malloc thresholds alone (train.py sets them: clip_mini/allocator.py)")
+    p.add_argument("--trim-mib", type=int, default=None,
+                   help="the allocator's kept free heap top in MiB (default: clip_mini.allocator's own)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     from clip_mini.allocator import keep_freed_memory
 
     # process-wide, as train.py sets it: every arm runs under it, open_clip's too
-    kept = False if args.plain_malloc else keep_freed_memory()
+    kept = False if args.plain_malloc else (keep_freed_memory() if args.trim_mib is None
+                                            else keep_freed_memory(args.trim_mib))
     result = {"machine": machine_info(),   # its load average: other processes on the cores slow every number here
               "allocator": "freed memory kept (clip_mini/allocator.py)" if kept else "glibc default",
+              "trim_mib": (args.trim_mib or inspect.signature(keep_freed_memory).parameters["trim_mib"].default)
+              if kept else None,
               "peer": {}, "configs": {}}
     if args.peer_batches and importlib.util.find_spec("open_clip") is None:
         result["peer"] = {"skipped": "open_clip_torch is not installed (pip install -e '.[bench]')"}
