@@ -47,7 +47,6 @@ The tiny config reads ``data/shapes`` (generated into a temporary folder if abse
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import resource
@@ -444,15 +443,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    from clip_mini.allocator import keep_freed_memory
+    from clip_mini.allocator import DEFAULT_TRIM_MIB, keep_freed_memory
 
     # process-wide, as train.py sets it: every arm runs under it, open_clip's too
-    kept = False if args.plain_malloc else (keep_freed_memory() if args.trim_mib is None
-                                            else keep_freed_memory(args.trim_mib))
+    trim_mib = args.trim_mib or DEFAULT_TRIM_MIB
+    kept = False if args.plain_malloc else keep_freed_memory(trim_mib)
     result = {"machine": machine_info(),   # its load average: other processes on the cores slow every number here
               "allocator": "freed memory kept (clip_mini/allocator.py)" if kept else "glibc default",
-              "trim_mib": (args.trim_mib or inspect.signature(keep_freed_memory).parameters["trim_mib"].default)
-              if kept else None,
+              "trim_mib": trim_mib if kept else None,
               "peer": {}, "configs": {}}
     if args.peer_batches and importlib.util.find_spec("open_clip") is None:
         result["peer"] = {"skipped": "open_clip_torch is not installed (pip install -e '.[bench]')"}

@@ -10,8 +10,8 @@ up to ``trim_mib`` of free heap top is kept: the next step reuses the same memor
 is measured by ``benchmarks/bench_allocator.py`` (``results/allocator.json``). The default keeps 2047 MiB, the
 most ``mallopt`` takes (a C int of bytes): with 512 MiB a training step that runs both locked towers on pixels
 (``frozen_features: 0``) still swung its heap top past the threshold every step: 948k page faults and 1.4 s of
-kernel time in a 6.2 s step, against 6k and 0.02 s in 5.4 s with 2047 (``benchmarks/bench_train.py --trim-mib``, ``results/train_trim512.json`` against
-``train_trim2047.json``). The price is that up to
+kernel time in a 6.2 s step, against 6k and 0.02 s in 5.4 s with 2047 (``benchmarks/bench_train.py --trim-mib``,
+``results/train_trim512.json`` against ``train_trim2047.json``). The price is that up to
 ``trim_mib`` of freed memory stays with the process instead of going back to the system, and freed blocks below
 the heap top are reused rather than returned. glibc still maps fresh memory where the heap cannot grow, and in
 threads other than the main one for blocks larger than their 64 MiB arenas.
@@ -27,9 +27,10 @@ import sys
 # mallopt(3) parameters, from glibc's malloc.h
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+DEFAULT_TRIM_MIB = 2047   # the most mallopt takes: its value is a C int of bytes
 
 
-def keep_freed_memory(trim_mib: int = 2047) -> bool:
+def keep_freed_memory(trim_mib: int = DEFAULT_TRIM_MIB) -> bool:
     """No ``mmap``'d blocks and a ``trim_mib`` trim threshold for glibc's malloc; True when both were accepted.
 
     False (and nothing changed) where there is no glibc ``mallopt`` (macOS, Windows, musl).

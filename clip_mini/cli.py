@@ -100,7 +100,7 @@ def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) ->
                     help="DataLoader workers decoding images (default: none on a CPU, 4 on a GPU)")
     ix.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                     help="image tower precision (auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 BF16 or "
-                         "AMX), where it is 1.5-3x fp32 within 1e-2 cosine; else fp32)")
+                         "AMX), where it is 3-6x fp32 here within 1e-2 cosine; else fp32)")
     ix.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help=argparse.SUPPRESS)
     ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf", "ivfpq"],
                     help="store a faiss index too (auto, when faiss is installed: HNSW from 500k rows, IVF-PQ "

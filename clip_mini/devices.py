@@ -105,10 +105,11 @@ def loader_workers(workers: Optional[int]) -> int:
 def default_workers(workers: Optional[int], device: torch.device) -> int:
     """Image-decoding DataLoader workers for an embedding pass (``index``, ``eval``): ``workers`` when given; else
     4 processes on a GPU (decoding is then the bottleneck) and none on a CPU: there the model's forward already
-    uses every core, and a decoding process beside it measured no faster, and often slower, than decoding in
-    between batches, on the Flickr8k dev photos and on camera-size ones (``benchmarks/bench_index.py``,
-    ``results/index.json``; large JPEGs decode at reduced scale, ``load_image(min_size=)``, which keeps decoding
-    cheap). ``--workers 1`` still overlaps decoding where a CPU has cores to spare."""
+    uses every core, and a decoding process beside it measured within about 5% of decoding in between batches,
+    faster in some runs and slower in others, on the Flickr8k dev photos and on camera-size ones
+    (``benchmarks/bench_index.py``, ``results/index.json``; large JPEGs decode at reduced scale,
+    ``load_image(min_size=)``, which keeps decoding cheap). ``--workers 1`` still overlaps decoding where a CPU has
+    cores to spare."""
     if workers is not None:
         return workers
     # an embedder of the user's own may say its device as a string ("cpu", "cuda:0")
