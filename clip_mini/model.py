@@ -209,6 +209,8 @@ class ImageForward:
         self.model, self.precision, self.device = model, precision, torch.device(device)
         self.tower = inference_tower(model.visual, precision)
         self.cast = precision if self.tower is model.visual else "fp32"   # the bf16 copy runs as it is
+        # what the tower's first layer computes in: a loader can hand it pixels already in that dtype
+        self.input_dtype = next(self.tower.parameters()).dtype
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> (B, E) float32 unit rows on the model's device."""

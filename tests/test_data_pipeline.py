@@ -65,6 +65,23 @@ def test_lut_normalise_is_bitwise_albumentations_normalize(mean, std):
     assert np.array_equal(ours(image=floats)["image"], theirs(image=floats)["image"])
 
 
+@pytest.mark.parametrize("mode", ["squash", "center_crop"])
+@pytest.mark.parametrize("mean,std", [((0.5,) * 3, (0.5,) * 3), ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))],
+                         ids=["equal", "imagenet"])
+def test_bf16_eval_transform_is_the_float32_one_rounded_and_channels_last(mode, mean, std):
+    pre = PreprocessConfig(image_size=24, mean=mean, std=std, resize_mode=mode)
+    rng = np.random.default_rng(1)
+    img = rng.integers(0, 256, (41, 57, 3), dtype=np.uint8)
+    img[0, :2] = [[0, 0, 0], [255, 255, 255]]
+    want = build_eval_transform(pre)(img).to(torch.bfloat16)
+    got = build_eval_transform(pre, torch.bfloat16)(img)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 24, 24)
+    assert got.permute(1, 2, 0).is_contiguous()   # the (S, S, 3) array seen as (3, S, S): no transposing copy
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        build_eval_transform(pre, torch.float16)
+
+
 def test_center_crop_keeps_the_middle_and_squash_keeps_everything():
     img = np.zeros((40, 80, 3), np.uint8)
     img[:, 20:60] = 255   # white middle square, black sides
@@ -268,6 +285,28 @@ def test_image_dataset_flags_bad_files(tmp_path):
     pixels, index, ok = batch
     assert pixels.shape == (2, 3, 8, 8) and index.tolist() == [0, 1] and ok.tolist() == [True, False]
     assert float(pixels[1].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_collate_images_keeps_bf16_batches_channels_last_with_the_same_values(tmp_path, workers):
+    from clip_mini.data import collate_images
+
+    paths = [_photo(tmp_path / f"{i}.jpg", seed=i) for i in range(3)] + [str(tmp_path / "missing.jpg")]
+    pre = PreprocessConfig(image_size=16)
+
+    def batch(dtype):
+        ds = ImageDataset(paths, build_eval_transform(pre, dtype))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # missing.jpg, warned in the worker or here
+            return next(iter(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=workers,
+                                                          collate_fn=collate_images)))
+
+    (fast, index, ok), (plain, index32, ok32) = batch(torch.bfloat16), batch(torch.float32)
+    assert fast.dtype == torch.bfloat16 and fast.is_contiguous(memory_format=torch.channels_last)
+    assert plain.dtype == torch.float32 and plain.is_contiguous()
+    assert torch.equal(fast, plain.to(torch.bfloat16))
+    assert index.tolist() == index32.tolist() == [0, 1, 2, 3] and ok.tolist() == ok32.tolist() == [True] * 3 + [False]
+    assert float(fast[3].float().abs().sum()) == 0.0
 
 
 def _tokenizer(captions):

@@ -91,6 +91,35 @@ def test_bf16_indexing_rows_within_1e2_cosine_of_fp32(tmp_path):
     assert (fp32 * bf16).sum(1).min() > 0.99
 
 
+@pytest.mark.parametrize("cfg", [VIT, EFFNET], ids=["vit", "effnet"])
+def test_bf16_indexing_loader_feeds_the_tower_the_same_pixels(tmp_path, cfg):
+    """The bf16 loader normalises straight to bf16 (channels-last); the rows are bitwise those of the float32
+    loader's pixels cast by the tower's own input conversion."""
+    from PIL import Image
+
+    from clip_mini.data import build_eval_transform, load_image
+    from clip_mini.embed import Embedder
+    from clip_mini.model import ImageForward
+    from clip_mini.retrieval.files import iter_image_features
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"{i}.jpg"))
+        Image.fromarray(rng.integers(0, 255, (6, 8, 3), dtype=np.uint8)).resize((120, 90)).save(paths[-1])
+    torch.manual_seed(0)
+    model = CLIPModel(ModelConfig(vision=cfg, text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)),
+                      vocab_size=50).eval()
+    embedder = Embedder(model, device="cpu")
+    rows = np.concatenate([f for _, f, _ in iter_image_features(embedder, paths, batch_size=3, precision="bf16",
+                                                                 progress=False)])
+    transform = build_eval_transform(model.preprocess)
+    pixels = torch.stack([transform(load_image(p, min_size=transform.base[0])) for p in paths])
+    forward = ImageForward(model, "bf16", "cpu")
+    assert forward.input_dtype == torch.bfloat16
+    np.testing.assert_array_equal(rows, forward(pixels).numpy())
+
+
 def test_train_reports_where_its_time_went(tmp_path):
     from clip_mini.config import load_config
     from clip_mini.data import generate

@@ -160,3 +160,21 @@ def test_training_on_precomputed_features_learns_and_resumes_bitwise(shapes, tmp
     # ... and the same embedding after the head
     torch.testing.assert_close(via, direct, rtol=2e-2, atol=2e-2)
     assert np.isfinite(rows[-1]["val_rsum"])
+
+
+def test_bf16_eval_view_reads_pixels_straight_in_bf16_with_the_same_rows(shapes, tmp_path):
+    """Under bf16 the eval view's loader normalises to bf16 (channels-last, ``collate_images``); the rows are
+    bitwise those of the float32 pixels through the same bf16 tower, and the augmented view still runs."""
+    cfg = _cfg(shapes, tmp_path / "run", "train.frozen_features=2", "train.precision=bf16")
+    model, splits = _model(cfg, tmp_path / "run")
+    feats = frozen_io.prepare(model, cfg, splits, tmp_path / "run", None, torch.device("cpu"), True, lambda: None)
+    train_feats, ok = feats["train"]
+    paths = frozen_io.split_paths(splits["train"])
+    assert train_feats.dtype == torch.bfloat16 and bool(ok.all())
+    tower = frozen_io.TowerPass(model, "bf16")
+    assert tower.input_dtype == torch.bfloat16
+    transform = build_eval_transform(model.preprocess)
+    with torch.inference_mode():
+        direct = tower(torch.stack([transform(load_image(p)) for p in paths[:6]]), torch.device("cpu"))
+    assert torch.equal(train_feats[0, :6], direct)
+    assert not torch.equal(train_feats[1], train_feats[0])

@@ -18,7 +18,8 @@ _EXPORTS = {
     "splits": ["split_by_image", "read_name_list"],
     "transforms": ["build_eval_transform", "build_train_transform", "resize_op"],
     "cache": ["ImageCache", "make_cache", "default_cache_dir", "decode_resized"],
-    "dataset": ["load_table", "load_splits", "CaptionDataset", "ImageDataset", "CaptionCollate", "OneCaptionPerImageSampler"],
+    "dataset": ["load_table", "load_splits", "CaptionDataset", "CaptionCollate", "OneCaptionPerImageSampler"],
+    "image_dataset": ["ImageDataset", "collate_images"],
     "synthetic": ["generate"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

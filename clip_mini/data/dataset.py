@@ -8,9 +8,8 @@ bad file never ends an epoch.
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -19,10 +18,9 @@ from torch.utils.data import Dataset, Sampler
 
 from clip_mini.config import DataConfig
 from clip_mini.data.cache import ImageCache
-from clip_mini.data.images import ImageError, check_images, load_image
+from clip_mini.data.image_dataset import Transform, _ImageSource
+from clip_mini.data.images import ImageError, check_images
 from clip_mini.data.readers import DataError, dense_ids, read_captions
-
-Transform = Callable[[np.ndarray], torch.Tensor]
 
 
 def load_table(cfg: DataConfig, report_dir: Optional[str | Path] = None, progress: bool = True) -> pd.DataFrame:
@@ -58,31 +56,6 @@ def load_table(cfg: DataConfig, report_dir: Optional[str | Path] = None, progres
         line += f" (see {Path(report_dir) / 'skipped.csv'})"
     print(line)
     return df
-
-
-class _ImageSource:
-    """Shared read path: the cache record of the transform's ``base`` geometry when there is a cache, else a full
-    decode (the transform's first step then makes the same record itself)."""
-
-    def __init__(self, transform: Transform, cache: Optional[ImageCache]):
-        if cache is not None and getattr(transform, "base", None) is None:
-            raise TypeError(f"{type(transform).__name__} has no `base` (size, resize mode): an image cache cannot "
-                            "know which record it needs; use build_eval_transform / build_train_transform")
-        self.transform, self.cache = transform, cache
-        self.bad_files: set[str] = set()   # per process; each file is warned about once
-
-    def _pixels(self, path: str) -> torch.Tensor:
-        if self.cache is not None:
-            img = self.cache.get(path, self.transform.base)
-        else:   # a large JPEG decodes at reduced scale, as the cache's records do (data/cache.py)
-            img = load_image(path, min_size=getattr(self.transform, "base", (None,))[0])
-        return self.transform(img)
-
-    def _warn(self, path: str, err: Exception) -> None:
-        if path not in self.bad_files:
-            self.bad_files.add(path)
-            warnings.warn(f"skipping unreadable image {path}: {getattr(err, 'reason', err)}", RuntimeWarning,
-                          stacklevel=3)
 
 
 class CaptionDataset(_ImageSource, Dataset):
@@ -122,31 +95,6 @@ class CaptionDataset(_ImageSource, Dataset):
             except (ImageError, OSError) as e:
                 self._warn(path, e)
         raise DataError(f"no readable image left in the dataset ({len(self.bad_files)} bad files)")
-
-
-class ImageDataset(_ImageSource, Dataset):
-    """Each image once, for embedding (evaluation, indexing).
-
-    ``__getitem__(i)`` returns ``(pixels, i, ok)``; an unreadable file gives zeros and ``ok=False`` (warned
-    once) so callers drop it instead of losing the whole run.
-    """
-
-    def __init__(self, paths: Sequence[str], transform: Transform, cache: Optional[ImageCache] = None):
-        super().__init__(transform, cache)
-        self.paths = [str(p) for p in paths]
-        self._zeros: Optional[torch.Tensor] = None
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, bool]:
-        try:
-            return self._pixels(self.paths[i]), i, True
-        except (ImageError, OSError) as e:
-            self._warn(self.paths[i], e)
-            if self._zeros is None:   # the transform's output shape, whatever the transform is
-                self._zeros = torch.zeros_like(self.transform(np.zeros((8, 8, 3), np.uint8)))
-            return self._zeros.clone(), i, False
 
 
 class CaptionCollate:

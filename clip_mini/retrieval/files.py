@@ -37,16 +37,19 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
-    from clip_mini.data import ImageDataset, ImageError, load_image
+    from clip_mini.data import ImageDataset, ImageError, build_eval_transform, collate_images, load_image
     from clip_mini.model import ImageForward
 
     if precision not in ("fp32", "bf16", "fp16"):
         raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
     device = torch.device(embedder.device)
-    # Pinned batches let the copy to a GPU run while the next batch decodes.
-    loader = DataLoader(ImageDataset(paths, embedder.transform), batch_size=batch_size, num_workers=workers,
-                        shuffle=False, pin_memory=device.type == "cuda")
     forward = ImageForward(embedder.model, precision, device)   # the same pass as eval and the feature store
+    transform = embedder.transform
+    if forward.input_dtype == torch.bfloat16:   # a bf16 tower: pixels normalised straight to bf16, same values
+        transform = build_eval_transform(embedder.model.preprocess, torch.bfloat16)
+    # Pinned batches let the copy to a GPU run while the next batch decodes.
+    loader = DataLoader(ImageDataset(paths, transform), batch_size=batch_size, num_workers=workers,
+                        shuffle=False, pin_memory=device.type == "cuda", collate_fn=collate_images)
     with tqdm(total=len(paths), desc=desc, unit="img", disable=not progress) as bar, torch.inference_mode():
         for pixels, idx, ok in loader:
             bad = {}
@@ -57,7 +60,9 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
                 except (ImageError, OSError) as e:
                     bad[i] = getattr(e, "reason", str(e))
             feats = np.zeros((0, embedder.dim), np.float32)
-            if ok.any():
+            if ok.all():
+                feats = forward(pixels).cpu().numpy()
+            elif ok.any():
                 feats = forward(pixels[ok]).cpu().numpy()
             bar.update(len(idx))
             yield idx[ok].numpy(), feats, bad

@@ -138,6 +138,7 @@ class TowerPass:
         model.visual.eval()
         self.tower = inference_tower(model.visual, precision)
         self.cast = precision if self.tower is model.visual else "fp32"   # a bf16 copy runs without autocast
+        self.input_dtype = next(self.tower.parameters()).dtype   # the eval view's pixels can come in it
         self.run = (lambda x: self.tower.forward_prefix(x, blocks)) if blocks else self.tower
         if compile:
             from clip_mini.compile_pass import CompiledPass
@@ -158,12 +159,14 @@ def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, devic
     """``(N, D)`` tower outputs of one view (``blocks = k > 0``: ``(N, T, D)`` token states before the last
     ``k`` blocks) and an ``(N,)`` bool mask of the images that could be read. ``tower``: the pass to run (a
     ``TowerPass`` of ``model``, ``precision`` and ``blocks``), built here when not given."""
+    from clip_mini.data import collate_images
+
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     tower = tower or TowerPass(model, precision, blocks)
     dataset.view = view
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                         generator=torch.Generator(),   # never moves the global RNG (exact resume)
-                        pin_memory=device.type == "cuda")
+                        pin_memory=device.type == "cuda", collate_fn=collate_images)
     rows, oks, start = None, [], 0
     for pixels, _, ok in tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True):
         out = tower(pixels, device)
@@ -209,8 +212,11 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
         got = _read_view(path, key, len(paths))
         if got is None:
             if dataset is None:
-                dataset = _ViewDataset(paths, build_eval_transform(model.preprocess), augment, cache, cfg.train.seed)
                 tower = TowerPass(model, cfg.train.precision, blocks, cfg.train.compile_tower)
+                # a bf16 tower's eval view: pixels normalised straight to bf16, the same values (data/transforms.py)
+                bf16 = tower.input_dtype == torch.bfloat16
+                eval_transform = build_eval_transform(model.preprocess, torch.bfloat16 if bf16 else torch.float32)
+                dataset = _ViewDataset(paths, eval_transform, augment, cache, cfg.train.seed)
             what = f"token states before the last {blocks} blocks" if blocks else "image features"
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
                                loader_workers(cfg.data.workers),
