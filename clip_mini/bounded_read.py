@@ -25,7 +25,7 @@ import os
 import queue
 import stat
 import threading
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 from clip_mini.errors import ClipMiniError
 
@@ -89,7 +89,11 @@ def read_file(path: str | os.PathLike, head: Optional[int] = None, tail: int = 0
         UnreadableFileError: not a regular file, larger than ``max_bytes``, or not read within ``timeout``.
     """
     path = os.fspath(path)
+    return run_bounded(path, lambda: _read_unbounded(path, head, tail, max_bytes), timeout)
 
+
+def _read_unbounded(path: str, head: Optional[int] = None, tail: int = 0,
+                    max_bytes: Optional[int] = None) -> tuple[bytes, bytes, int]:
     def work(fd: int, size: int) -> tuple[bytes, bytes, int]:
         if max_bytes is not None and size > max_bytes:
             raise UnreadableFileError(path, f"{size} bytes is more than the limit of {max_bytes}")
@@ -97,14 +101,17 @@ def read_file(path: str | os.PathLike, head: Optional[int] = None, tail: int = 0
         last = _read_at(fd, max(0, size - tail), min(tail, size)) if tail else b""
         return first, last, size
 
-    return run_bounded(path, lambda: _with_regular_fd(path, work), timeout)
+    return _with_regular_fd(path, work)
 
 
 def sha256_regular_file(path: str | os.PathLike, max_bytes: Optional[int] = None,
                         timeout: Optional[float] = None, chunk: int = 1 << 20) -> str:
     """sha256 hex digest of a regular file's bytes, read under the same rules as ``read_file``."""
     path = os.fspath(path)
+    return run_bounded(path, lambda: _sha256_unbounded(path, max_bytes, chunk), timeout)
 
+
+def _sha256_unbounded(path: str, max_bytes: Optional[int] = None, chunk: int = 1 << 20) -> str:
     def work(fd: int, size: int) -> str:
         if max_bytes is not None and size > max_bytes:
             raise UnreadableFileError(path, f"{size} bytes is more than the limit of {max_bytes}")
@@ -117,7 +124,27 @@ def sha256_regular_file(path: str | os.PathLike, max_bytes: Optional[int] = None
             done += len(block)
         return h.hexdigest()
 
-    return run_bounded(path, lambda: _with_regular_fd(path, work), timeout)
+    return _with_regular_fd(path, work)
+
+
+def read_files(paths: Sequence[str], max_bytes: Optional[int] = None, timeout: Optional[float] = None
+               ) -> Iterator[tuple[str, bytes | OSError]]:
+    """``(path, whole contents)`` for each path in order, or ``(path, the OSError)`` for one that cannot be read
+    (``read_file``'s rules and errors): ``iter_bounded`` reads them ahead on one helper thread."""
+    return _only_os_errors(iter_bounded(paths, lambda p: _read_unbounded(p, max_bytes=max_bytes)[0], timeout))
+
+
+def sha256_regular_files(paths: Sequence[str], max_bytes: Optional[int] = None, timeout: Optional[float] = None
+                         ) -> Iterator[tuple[str, str | OSError]]:
+    """``(path, sha256 hex digest)`` for each path in order, or ``(path, the OSError)``, as ``read_files``."""
+    return _only_os_errors(iter_bounded(paths, lambda p: _sha256_unbounded(p, max_bytes), timeout))
+
+
+def _only_os_errors(results: Iterator[tuple[str, bool, object]]) -> Iterator[tuple[str, object]]:
+    for path, ok, value in results:
+        if not ok and not isinstance(value, OSError):
+            raise value   # a bug or MemoryError, not a bad file: as run_bounded re-raises it
+        yield path, value
 
 
 def _with_regular_fd(path: str, work: Callable[[int, int], T]) -> T:
@@ -206,3 +233,53 @@ def run_bounded(path: str, fn: Callable[[], T], timeout: Optional[float] = None)
     if ok:
         return value
     raise value
+
+
+def iter_bounded(paths: Sequence[str], fn: Callable[[str], T], timeout: Optional[float] = None, ahead: int = 4
+                 ) -> Iterator[tuple[str, bool, object]]:
+    """``fn(path)`` for each path, in order, on one helper thread that runs at most ``ahead`` results ahead of the
+    caller; yields ``(path, True, value)`` or ``(path, False, the exception)``.
+
+    ``run_bounded`` per file hands every file to its helper and waits: two thread switches a file, which took
+    0.5 s of indexing 2,000 photos with the tiny model (1.77 s against 1.26 s with no helper at all; a one-off
+    check). Here the helper reads ahead while the caller decodes. The bound is the same: a path gets at least
+    ``timeout`` seconds (default ``READ_TIMEOUT_S``) from when the caller starts waiting for it, and one that
+    overruns yields ``UnreadableFileError``; its helper is abandoned (told to stop once it wakes) and the paths
+    after it go to a fresh one. A helper of its own, not ``run_bounded``'s: the caller may call ``run_bounded``
+    while iterating.
+    """
+    timeout = READ_TIMEOUT_S if timeout is None else timeout
+    paths, i = list(paths), 0
+    while i < len(paths):
+        results: queue.Queue = queue.Queue(maxsize=ahead)   # bounded: a folder of large files is not held at once
+        stop = threading.Event()
+
+        def job(todo: list[str] = paths[i:], results: queue.Queue = results, stop: threading.Event = stop) -> None:
+            for p in todo:
+                if stop.is_set():
+                    return
+                try:
+                    r = (True, fn(p))
+                except BaseException as e:   # handed to the caller
+                    r = (False, e)
+                while not stop.is_set():
+                    try:
+                        results.put(r, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+
+        threading.Thread(target=job, name="clip_mini-bounded-read-ahead", daemon=True).start()
+        try:
+            while i < len(paths):
+                try:
+                    ok, value = results.get(timeout=timeout)
+                except queue.Empty:
+                    yield paths[i], False, UnreadableFileError(
+                        paths[i], f"not read within {timeout:g} s (a stalled network or FUSE mount?); skipped")
+                    i += 1
+                    break   # the helper is stuck in the kernel on paths[i]: the rest on a fresh one
+                i += 1
+                yield paths[i - 1], ok, value
+        finally:
+            stop.set()   # done, stuck, or the caller stopped iterating: the helper ends at its next check

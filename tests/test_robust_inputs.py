@@ -146,6 +146,72 @@ def test_stalled_read_is_skipped_after_the_time_limit(tmp_path, monkeypatch):
         release.set()
 
 
+def test_stalled_read_inside_a_read_ahead_batch_is_skipped_and_the_rest_read(tmp_path, monkeypatch):
+    """The batched path (``ImageDataset.__getitems__`` -> ``load_images`` -> ``iter_bounded``, and the index's
+    hashing): a stalled file in the middle of a batch is reported after the limit, the files after it are read
+    on a fresh helper, and no helper is left running once the stalled read returns."""
+    import time
+
+    import torch
+
+    from clip_mini.data import ImageDataset
+
+    paths = [str(p) for p in write_images(tmp_path, 4)]
+    stalled = paths[1]
+    release = threading.Event()
+    real_read_at = bounded_read._read_at
+
+    def read_at(fd, offset, n):
+        if os.path.realpath(f"/proc/self/fd/{fd}") == str(Path(stalled).resolve()):
+            release.wait(LIMIT_S)
+        return real_read_at(fd, offset, n)
+
+    real_sha = bounded_read._sha256_unbounded
+
+    def sha(path, *args):   # hashing reads with os.pread itself
+        if path == stalled:
+            release.wait(LIMIT_S)
+        return real_sha(path, *args)
+
+    monkeypatch.setattr(bounded_read, "_read_at", read_at)
+    monkeypatch.setattr(bounded_read, "_sha256_unbounded", sha)
+    monkeypatch.setattr(bounded_read, "READ_TIMEOUT_S", 0.3)
+    ds = ImageDataset(paths, lambda a: torch.from_numpy(a).float())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            items = within(LIMIT_S, ds.__getitems__, [0, 1, 2, 3])
+        assert [(i, ok) for _, i, ok in items] == [(0, True), (1, False), (2, True), (3, True)]
+        assert torch.equal(items[2][0], ds[2][0])   # the same pixels as one by one
+        assert any("not read within 0.3 s" in str(w.message) and stalled in str(w.message) for w in caught)
+        digests = within(LIMIT_S, list, bounded_read.sha256_regular_files([paths[0], stalled, paths[3]]))
+        assert [p for p, _ in digests] == [paths[0], stalled, paths[3]]
+        assert isinstance(digests[1][1], bounded_read.UnreadableFileError) and "not read within" in str(digests[1][1])
+        assert digests[0][1] == bounded_read.sha256_regular_file(paths[0])
+    finally:
+        release.set()
+    deadline = time.monotonic() + LIMIT_S
+    while any(t.name == "clip_mini-bounded-read-ahead" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a read-ahead helper is still running"
+        time.sleep(0.05)
+
+
+def test_read_ahead_helper_stops_when_the_caller_stops(tmp_path):
+    paths = [str(p) for p in write_images(tmp_path, 3)] * 20
+    results = bounded_read.read_files(paths)
+    first = next(results)
+    assert first[0] == paths[0] and isinstance(first[1], bytes) and first[1]
+    results.close()   # the caller is done after one file: the helper must not read on
+    import time
+
+    deadline = time.monotonic() + LIMIT_S
+    while any(t.name == "clip_mini-bounded-read-ahead" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the read-ahead helper kept running after the caller stopped"
+        time.sleep(0.05)
+    with pytest.raises(ValueError, match="boom"):   # not a bad file but a bug: raised, as run_bounded does
+        list(bounded_read._only_os_errors(bounded_read.iter_bounded(paths[:2], lambda p: int("boom"))))
+
+
 def test_oversized_file_is_refused_before_reading(tmp_path):
     big = tmp_path / "huge.png"
     with open(big, "wb") as f:
@@ -160,7 +226,7 @@ def test_reads_work_in_forked_dataloader_workers(tmp_path):
     import torch
     from torch.utils.data import DataLoader
 
-    from clip_mini.data.dataset import ImageDataset
+    from clip_mini.data import ImageDataset
 
     paths = [str(p) for p in write_images(tmp_path, 4)]
     load_image(paths[0])   # the parent's helper thread exists before the fork

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from clip_mini.data.images import ImageError, load_image
+from clip_mini.data.images import ImageError, load_image, load_images
 
 if TYPE_CHECKING:
     from clip_mini.data.cache import ImageCache
@@ -65,10 +65,30 @@ class ImageDataset(_ImageSource, Dataset):
         try:
             return self._pixels(self.paths[i]), i, True
         except (ImageError, OSError) as e:
-            self._warn(self.paths[i], e)
-            if self._zeros is None:   # the transform's output shape, whatever the transform is
-                self._zeros = torch.zeros_like(self.transform(np.zeros((8, 8, 3), np.uint8)))
-            return self._zeros.clone(), i, False
+            return self._failed(i, e)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int, bool]]:
+        """A batch of items (a DataLoader's fetcher calls this when it exists). Without a cache the batch's files
+        are read ahead on one helper thread (``images.load_images``) while the images before them decode: the
+        same items as ``__getitem__`` one by one, without two thread switches per file."""
+        if self.cache is not None:
+            return [self[i] for i in indices]
+        min_size = getattr(self.transform, "base", (None,))[0]
+        out = []
+        for i, (_, image) in zip(indices, load_images([self.paths[i] for i in indices], min_size=min_size)):
+            try:
+                if isinstance(image, ImageError):
+                    raise image
+                out.append((self.transform(image), i, True))
+            except (ImageError, OSError) as e:
+                out.append(self._failed(i, e))
+        return out
+
+    def _failed(self, i: int, err: Exception) -> tuple[torch.Tensor, int, bool]:
+        self._warn(self.paths[i], err)
+        if self._zeros is None:   # the transform's output shape, whatever the transform is
+            self._zeros = torch.zeros_like(self.transform(np.zeros((8, 8, 3), np.uint8)))
+        return self._zeros.clone(), i, False
 
 
 def collate_images(batch: Sequence[tuple[torch.Tensor, int, bool]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

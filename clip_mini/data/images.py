@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Iterable, Union
+from typing import Iterable, Iterator, Sequence, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from clip_mini.bounded_read import UnreadableFileError, read_file
+from clip_mini.bounded_read import UnreadableFileError, read_file, read_files
 from clip_mini.errors import ClipMiniError
 
 # 64 MP: far above any photo a CLIP pipeline needs, far below what would exhaust memory when decoded (~200 MB).
@@ -75,7 +75,21 @@ def load_image(src: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS, min_size:
     if not isinstance(src, (str, os.PathLike)):
         raise ImageError(repr(src)[:80], f"unsupported image source type {type(src).__name__}")
     path = os.fspath(src)
-    data = _read_whole(path)
+    return _decode_file(path, _read_whole(path), max_pixels, min_size)
+
+
+def load_images(paths: Sequence[str], max_pixels: int = DEFAULT_MAX_PIXELS, min_size: int | None = None
+                ) -> Iterator[tuple[str, np.ndarray | ImageError]]:
+    """``(path, load_image(path))`` for each path in order, or ``(path, the ImageError)``: the files are read
+    ahead on one helper thread (``bounded_read.read_files``) instead of one hand-off per file."""
+    for path, data in read_files([os.fspath(p) for p in paths], max_bytes=DEFAULT_MAX_FILE_BYTES):
+        try:
+            yield path, _decode_file(path, _checked_bytes(path, data), max_pixels, min_size)
+        except ImageError as e:
+            yield path, e
+
+
+def _decode_file(path: str, data: bytes, max_pixels: int, min_size: int | None) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data), formats=_FORMATS) as im:
             if min_size and im.format == "JPEG":
@@ -96,12 +110,19 @@ def load_image(src: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS, min_size:
 def _read_whole(path: str) -> bytes:
     try:
         data = read_file(path, max_bytes=DEFAULT_MAX_FILE_BYTES)[0]
-    except FileNotFoundError:
-        raise ImageError(path, "missing file") from None
-    except UnreadableFileError as e:
-        raise ImageError(path, e.reason) from None
     except OSError as e:
-        raise ImageError(path, f"cannot read: {e.strerror or e}") from None
+        data = e
+    return _checked_bytes(path, data)
+
+
+def _checked_bytes(path: str, data: bytes | OSError) -> bytes:
+    """A file's bytes, or the ``ImageError`` for what reading it gave (an ``OSError``, or nothing)."""
+    if isinstance(data, FileNotFoundError):
+        raise ImageError(path, "missing file")
+    if isinstance(data, UnreadableFileError):
+        raise ImageError(path, data.reason)
+    if isinstance(data, OSError):
+        raise ImageError(path, f"cannot read: {data.strerror or data}")
     if not data:
         raise ImageError(path, "empty file (0 bytes)")
     return data

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from clip_mini.bounded_read import sha256_regular_file
+from clip_mini.bounded_read import sha256_regular_files
 from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text
 from clip_mini.retrieval.files import iter_image_features
 from clip_mini.retrieval.format import (EmbeddingIndexError, commit, current_generation, in_shard, shard_dir,
@@ -102,11 +102,16 @@ def _hash_all(paths: list[str], progress: bool) -> tuple[dict[str, str], dict[st
     from tqdm import tqdm
 
     hashes, failed = {}, {}
-    for p in tqdm(paths, desc="hashing new files", unit="file", disable=not progress or len(paths) < 1000):
-        try:
-            hashes[p] = sha256_regular_file(p)   # a pipe or /dev/zero named *.jpg must not hang the build
-        except OSError as e:
-            failed[p] = f"cannot read: {e.strerror or e}"
+    # read ahead on one helper thread, each file under a time bound: a pipe, /dev/zero named *.jpg or a stalled
+    # mount must not hang the build
+    with tqdm(total=len(paths), desc="hashing new files", unit="file",
+              disable=not progress or len(paths) < 1000) as bar:
+        for p, digest in sha256_regular_files(paths):
+            if isinstance(digest, OSError):
+                failed[p] = f"cannot read: {digest.strerror or digest}"
+            else:
+                hashes[p] = digest
+            bar.update()
     return hashes, failed
 
 
