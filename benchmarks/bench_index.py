@@ -25,7 +25,8 @@ and ``configs/flickr8k.yaml``'s (EfficientNet-Lite0 and DINOv2 concatenated: the
 
 Each model runs ``--rounds`` rounds (default 3); a round is, per precision, a forward process then its index
 processes, so the ratios compare runs minutes apart at most; figures are medians over rounds (every round's in
-``images_per_s_all``). Falls back to generated JPEGs when the Flickr8k folder is absent. Writes ``benchmarks/results/index.json``.
+``images_per_s_all``). Falls back to generated JPEGs when the Flickr8k folder is absent. Writes
+``benchmarks/results/index.json``.
 ``benchmarks/results/index_full_decode.json`` is this script's last run before JPEGs were decoded at reduced
 scale (``load_image(min_size=)``), kept for the comparison.
 """

@@ -20,7 +20,7 @@ from clip_mini.manifest import (MODEL_FILES, ModelDirError, fingerprint as _fing
                                  read_json as _read_json, read_manifest)
 from clip_mini.text import TextEncoder, build_tokenizer, load_tokenizer, resolve_text_config
 from clip_mini.precision import autocast
-from clip_mini.vision import ImageEncoder, inference_tower, tower_input
+from clip_mini.vision import ImageEncoder, inference_tower, pixel_dtype, tower_input
 
 FORMAT_VERSION = 1
 
@@ -209,8 +209,7 @@ class ImageForward:
         self.model, self.precision, self.device = model, precision, torch.device(device)
         self.tower = inference_tower(model.visual, precision)
         self.cast = precision if self.tower is model.visual else "fp32"   # the bf16 copy runs as it is
-        # what the tower's first layer computes in: a loader can hand it pixels already in that dtype
-        self.input_dtype = next(self.tower.parameters()).dtype
+        self.input_dtype = pixel_dtype(self.tower)   # the loader's pixels can come in it
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> (B, E) float32 unit rows on the model's device."""

@@ -332,6 +332,12 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
     return tower
 
 
+def pixel_dtype(tower: ImageEncoder) -> torch.dtype:
+    """The dtype a loader can hand ``tower`` its pixels in (``data.build_eval_transform(pre, dtype)``): bf16 for a
+    bf16 copy (``inference_tower``), whose first layer computes in bf16 anyway; float32 otherwise."""
+    return torch.bfloat16 if next(tower.parameters()).dtype == torch.bfloat16 else torch.float32
+
+
 def tower_input(tower: ImageEncoder, pixels: torch.Tensor) -> torch.Tensor:
     """``pixels`` in the dtype (and, for a CNN, the memory format) of ``tower``'s weights."""
     dtype = next(tower.parameters()).dtype

@@ -44,9 +44,9 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
         raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
     device = torch.device(embedder.device)
     forward = ImageForward(embedder.model, precision, device)   # the same pass as eval and the feature store
-    transform = embedder.transform
-    if forward.input_dtype == torch.bfloat16:   # a bf16 tower: pixels normalised straight to bf16, same values
-        transform = build_eval_transform(embedder.model.preprocess, torch.bfloat16)
+    # a bf16 tower: pixels normalised straight to bf16, the same values (data/transforms.py)
+    transform = (embedder.transform if forward.input_dtype == torch.float32
+                 else build_eval_transform(embedder.model.preprocess, forward.input_dtype))
     # Pinned batches let the copy to a GPU run while the next batch decodes.
     loader = DataLoader(ImageDataset(paths, transform), batch_size=batch_size, num_workers=workers,
                         shuffle=False, pin_memory=device.type == "cuda", collate_fn=collate_images)

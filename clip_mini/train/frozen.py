@@ -133,12 +133,12 @@ class TowerPass:
     """
 
     def __init__(self, model, precision: str, blocks: int = 0, compile: bool = False):
-        from clip_mini.vision import inference_tower
+        from clip_mini.vision import inference_tower, pixel_dtype
 
         model.visual.eval()
         self.tower = inference_tower(model.visual, precision)
         self.cast = precision if self.tower is model.visual else "fp32"   # a bf16 copy runs without autocast
-        self.input_dtype = next(self.tower.parameters()).dtype   # the eval view's pixels can come in it
+        self.input_dtype = pixel_dtype(self.tower)   # the eval view's pixels can come in it
         self.run = (lambda x: self.tower.forward_prefix(x, blocks)) if blocks else self.tower
         if compile:
             from clip_mini.compile_pass import CompiledPass
@@ -214,8 +214,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
             if dataset is None:
                 tower = TowerPass(model, cfg.train.precision, blocks, cfg.train.compile_tower)
                 # a bf16 tower's eval view: pixels normalised straight to bf16, the same values (data/transforms.py)
-                bf16 = tower.input_dtype == torch.bfloat16
-                eval_transform = build_eval_transform(model.preprocess, torch.bfloat16 if bf16 else torch.float32)
+                eval_transform = build_eval_transform(model.preprocess, tower.input_dtype)
                 dataset = _ViewDataset(paths, eval_transform, augment, cache, cfg.train.seed)
             what = f"token states before the last {blocks} blocks" if blocks else "image features"
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
