@@ -8,7 +8,7 @@
 """
 import sys
 
-from clip_mini.cli import main
+from clip_mini.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="infer.py", commands=("index", "search", "eval", "attention")))

@@ -1,4 +1,4 @@
-"""What keeping freed memory in the process gives (``clip_mini/allocator.py``, set by ``train.py`` and ``clip-mini``).
+"""What keeping freed memory in the process gives (``clip_mini/runtime/allocator.py``, set by ``train.py`` and ``clip-mini``).
 
     python benchmarks/bench_allocator.py [--rounds 3]
 
@@ -72,7 +72,7 @@ def worker(name: str, mode: str) -> dict:
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     if mode == "kept":
-        from clip_mini.allocator import keep_freed_memory
+        from clip_mini.runtime.allocator import keep_freed_memory
 
         assert keep_freed_memory()
     step, warmup, steps = _workload(name)

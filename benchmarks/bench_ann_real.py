@@ -193,7 +193,7 @@ def main(argv=None) -> dict:
     out["generated_query_best_cos_p50_at_rows"] = round(float(np.median(np.diag(top))), 4)
     results = {}
     hnsw_rows = args.hnsw_rows or args.rows
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     sweeps = {"ivfpq": [4, 8, 16, 32, 64, 128], "ivf": [4, 8, 16, 32, 64, 128], "hnsw": [16, 32, 64, 128, 256, 512]}
     for kind in args.kinds:

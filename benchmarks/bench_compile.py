@@ -33,13 +33,13 @@ def _one_pass(tower_name: str, compiled: bool, batches: int, batch: int) -> dict
     import torch
 
     from bench_towers import _encoder
-    from clip_mini.vision import inference_tower, tower_input
+    from clip_mini.model.vision import inference_tower, tower_input
 
     encoder, label = _encoder(tower_name)
     tower = inference_tower(encoder, "bf16")
     run = tower
     if compiled:
-        from clip_mini.compile_pass import CompiledPass
+        from clip_mini.model.layers.compile_pass import CompiledPass
 
         run = CompiledPass(tower, "bench_compile")
     x = tower_input(tower, torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0)))
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child:
         print(json.dumps(_one_pass(args.child[0], args.child[1] == "compiled", args.batches, args.batch)))
         return {}
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     result: dict = {"machine": machine_info(), "batch": args.batch, "batches": args.batches, "pairs": args.pairs,
                     "towers": {}}

@@ -105,7 +105,7 @@ def main() -> None:
     if (data / "fullres/captions.csv").is_file():
         result["fullres"] = bench_folder(data / "fullres/captions.csv", args.size, args.mode, args.limit,
                                          args.repeats)
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     atomic_write_json(args.out, result)
     print(json.dumps(result, indent=2))

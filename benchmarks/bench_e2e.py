@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", nargs="+", default=["demo", "flickr8k"], choices=["demo", "flickr8k"])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/e2e.json"))
     args = p.parse_args(argv)
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     result = {"machine": machine_info(), "benchmark": "bench_e2e", "cpus": os.cpu_count(),
               "loadavg_start": os.getloadavg()[0], "runs": {}}

@@ -81,7 +81,7 @@ def tower_features(tower: str, paths: list[str], cache: Path, threads: int) -> n
     from clip_mini.config import VisionConfig
     from clip_mini.data.images import load_image
     from clip_mini.data.transforms import build_eval_transform
-    from clip_mini.vision import ImageEncoder, inference_tower, tower_input
+    from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
 
     enc = ImageEncoder(VisionConfig(trainable=False, **TOWERS[tower]))
     enc.load_pretrained(enc.cfg.pretrained)
@@ -112,7 +112,7 @@ def text_features(captions: list[str], cache: Path) -> np.ndarray:
     from tqdm import tqdm
 
     from clip_mini.config import TextConfig
-    from clip_mini.text import MINILM, TextEncoder, build_tokenizer
+    from clip_mini.model.text import MINILM, TextEncoder, build_tokenizer
 
     cfg = TextConfig(pretrained=MINILM, pooling="mean", max_length=40, dropout=0.0)
     tok = build_tokenizer(cfg)
@@ -136,9 +136,9 @@ def probe(img: np.ndarray, txt: np.ndarray, txt_img: np.ndarray, train_imgs: np.
     ``loss_name``: "clip" (the trainer's), "ls<eps>" (clip with label smoothing eps) or "siglip" (sigmoid loss,
     temperature 10 and bias -10 at the start, as SigLIP initialises them).
     """
-    from clip_mini.evaluate import retrieval_metrics
-    from clip_mini.loss import clip_loss, siglip_loss
-    from clip_mini.model import ProjectionHead
+    from clip_mini.eval.metrics import retrieval_metrics
+    from clip_mini.model.loss import clip_loss, siglip_loss
+    from clip_mini.model.clip import ProjectionHead
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -203,7 +203,7 @@ def main(argv=None) -> dict:
 
     from clip_mini.config import load_config
     from clip_mini.data import load_splits
-    from clip_mini.io import atomic_write_text
+    from clip_mini.fileio.atomic import atomic_write_text
 
     cfg = load_config(args.config, [f"data.captions={args.captions}"] if args.captions else [])
     splits = load_splits(cfg, progress=False)

@@ -46,7 +46,7 @@ def write_subset(src: Path, n_images: int, out: Path) -> int:
                 continue
             images.append(row["image"])
         keep.append(row)
-    from clip_mini.io import atomic_path
+    from clip_mini.fileio.atomic import atomic_path
 
     with atomic_path(out) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=["image", "caption"])
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work", type=Path, default=Path("/tmp/bench_frozen_blocks"))
     p.add_argument("--result", type=Path, default=ROOT / "benchmarks/results/frozen_blocks.json")
     args = p.parse_args(argv)
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
     from repo_paths import relative_to_repo
 
     args.work.mkdir(parents=True, exist_ok=True)

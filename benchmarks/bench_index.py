@@ -59,7 +59,7 @@ def _peak_rss_mb() -> float:
 
 def make_model(out: Path, config: str) -> None:
     from clip_mini.config import load_config
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     # untrained (speed does not depend on the weights); a pretrained text tower still brings its own vocabulary
     CLIPModel.build(load_config(ROOT / config).model, captions=["a photo"] * 8,
@@ -69,11 +69,11 @@ def make_model(out: Path, config: str) -> None:
 def run_forward(model_dir: str, batch: int, n_batches: int, precision: str) -> dict:
     """The ceiling for indexing: ``model.ImageForward`` (the pass indexing runs) on ready pixel tensors, in a
     process of its own per precision as each indexing run has (an earlier pass's freed memory, kept by
-    ``clip_mini.allocator``, would otherwise start the second precision off in a warmer heap)."""
+    ``clip_mini.runtime.allocator``, would otherwise start the second precision off in a warmer heap)."""
     import torch
 
     import clip_mini
-    from clip_mini.model import ImageForward
+    from clip_mini.model.clip import ImageForward
 
     e = clip_mini.load(model_dir)
     size = e.model.preprocess.image_size
@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        from clip_mini.allocator import keep_freed_memory
+        from clip_mini.runtime.allocator import keep_freed_memory
 
         keep_freed_memory()   # as `clip-mini index` sets it; the pure forward too, so the ratio compares like with like
         kind, *rest = args.child
@@ -265,7 +265,7 @@ def main(argv=None) -> dict:
                 result["stub"] = _child("stub", args.stub_files, stub)
         result["loadavg_end"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2))
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     atomic_write_json(args.out, result)
     return result

@@ -36,7 +36,7 @@ HEAVY = ("torch", "timm", "albumentations", "cv2")
 
 
 def imported_modules(index: Path, query: list[str]) -> list[str]:
-    code = ("import sys; from clip_mini.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from clip_mini.cli.main import main; rc = main(sys.argv[1:]); "
             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code, "search", "--index", str(index), *query], capture_output=True,
                        text=True, cwd=ROOT)
@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     result["targets_s"] = {"text_query": 0.3, "image_query": 1.5}
     result["meets_targets"] = {k: result[k]["p50_s"] <= v for k, v in result["targets_s"].items()}
     print(json.dumps(result, indent=2))
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     atomic_write_json(args.out, scrub_paths(result))
     return result

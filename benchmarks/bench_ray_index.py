@@ -31,7 +31,7 @@ FLICKR = ROOT.parent / "shared/data/flickr8k/captions.csv"
 
 
 def make_shards(tmp: Path, captions: Path, limit: int) -> tuple[list[str], str]:
-    from clip_mini.convert import convert_to_webdataset
+    from clip_mini.data.convert import convert_to_webdataset
     from clip_mini.data.readers import read_captions
     from clip_mini.data.webdataset import expand_shards
 
@@ -59,7 +59,7 @@ def main() -> None:
 
     import clip_mini
     from clip_mini.config import load_config
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
     from clip_mini.retrieval.ray_index import ray_embedder
     from clip_mini.retrieval.reader import IndexReader
     from clip_mini.retrieval.wds_source import index_shards

@@ -60,7 +60,7 @@ def main() -> dict:
         seconds, _ = _timed(cmd)
         import torch
 
-        from clip_mini.devices import resolve_precision
+        from clip_mini.runtime.devices import resolve_precision
 
         resolved = resolve_precision(args.precision, torch.device("cpu"))
         result["index"] = {"precision": f"{args.precision} ({resolved} here)", "seconds": round(seconds, 1),
@@ -80,7 +80,7 @@ def main() -> dict:
                             == photos[0]}
     result["loadavg_end"] = os.getloadavg()[0]
     result = scrub_paths(result)
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     atomic_write_json(ROOT / args.out, result)
     print(json.dumps(result, indent=2))

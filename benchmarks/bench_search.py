@@ -41,7 +41,7 @@ from machine import machine_info  # noqa: E402 (benchmarks/, this script's folde
 
 from clip_mini.retrieval import search as S  # noqa: E402
 from clip_mini.retrieval.rows import BF16Rows, encode  # noqa: E402
-from clip_mini.search import build_faiss, exact_search, faiss_available, faiss_search  # noqa: E402
+from clip_mini.retrieval.search import build_faiss, exact_search, faiss_available, faiss_search  # noqa: E402
 
 HNSW_MAX = 200_000
 
@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
             r["bench_s"] = round(time.perf_counter() - t, 1)
             result["sizes"].append(r)
             print(json.dumps(r), flush=True)
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     result["machine"]["loadavg_end"] = os.getloadavg()[0]
     atomic_write_json(args.out, result)

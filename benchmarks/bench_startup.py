@@ -29,7 +29,7 @@ from machine import machine_info  # noqa: E402 (benchmarks/, this script's folde
 
 def make_model(out: Path) -> Path:
     from clip_mini.config import load_config
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     cfg = load_config(ROOT / "configs/tiny.yaml")
     captions = [f"a {c} {s} on the {p}" for c in ("red", "green", "blue", "dog", "man") for s in
@@ -40,7 +40,7 @@ def make_model(out: Path) -> Path:
 
 def make_index(out: Path, model_dir: Path, rows: int, image: Path) -> Path:
     from clip_mini.retrieval.format import commit, writer_lock
-    from clip_mini.manifest import read_manifest
+    from clip_mini.fileio.manifest import read_manifest
 
     manifest = read_manifest(model_dir)
     dim = json.loads((model_dir / "config.json").read_text())["model"]["embed_dim"]
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     result["target_text_query_s"] = 2.0
     result["meets_target"] = result["text_query"]["p50_s"] < 2.0
     print(json.dumps(result, indent=2))
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     atomic_write_json(args.out, result)
     return result

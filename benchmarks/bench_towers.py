@@ -11,9 +11,9 @@ Gradient-free passes under ``torch.inference_mode``, as the feature pass and ind
   folded into the convolutions), what the feature pass and indexing now run under ``precision: bf16``;
 * ``bf16_weights_unfolded_bn`` (CNN only): the same copy without the folding, to measure what it adds;
 * ``bf16_weights_unfused_acts`` (CNN only): the same copy with timm's activations as built (in place, after the
-  convolution) instead of fused into it (``clip_mini.conv_act``), to measure what the fusion adds;
+  convolution) instead of fused into it (``clip_mini.model.layers.conv_act``), to measure what the fusion adds;
 * ``bf16_compiled``: the bf16 copy through ``torch.compile`` (inductor, frozen weights: ``train.compile_tower``,
-  ``clip_mini/compile_pass.py``); its one-time compilation is timed apart (``compile_s``). ``--no-compile`` leaves
+  ``clip_mini/model/layers/compile_pass.py``); its one-time compilation is timed apart (``compile_s``). ``--no-compile`` leaves
   it out (inductor needs a C++ compiler);
 * ``fp32``: for reference, and as the reference output for the cosine of each bf16 path.
 
@@ -45,7 +45,7 @@ def _encoder(name: str):
     import importlib.util
 
     from clip_mini.config import VisionConfig
-    from clip_mini.vision import EFFNET_PYPI, ImageEncoder
+    from clip_mini.model.vision import EFFNET_PYPI, ImageEncoder
 
     torch.manual_seed(0)
     if name == "vit":
@@ -64,7 +64,7 @@ def _encoder(name: str):
 def bench_tower(name: str, batch: int, rounds: int, compiled: bool = True) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from clip_mini.vision import inference_tower, tower_input
+    from clip_mini.model.vision import inference_tower, tower_input
 
     encoder, label = _encoder(name)
     pixels = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
@@ -81,7 +81,7 @@ def bench_tower(name: str, batch: int, rounds: int, compiled: bool = True) -> di
         arms["bf16_weights_unfused_acts"] = (unfused, tower_input(unfused, pixels), nullcontext)
     compile_s = None
     if compiled:   # train.compile_tower: the bf16 copy through torch.compile (inductor, frozen weights)
-        from clip_mini.compile_pass import CompiledPass
+        from clip_mini.model.layers.compile_pass import CompiledPass
 
         arms["bf16_compiled"] = (CompiledPass(fast, "bench_towers"), tower_input(fast, pixels), nullcontext)
 
@@ -138,11 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile arm (needs a C++ compiler)")
     p.add_argument("--plain-malloc", action="store_true",
-                   help="leave glibc's malloc as it is (clip_mini/allocator.py)")
+                   help="leave glibc's malloc as it is (clip_mini/runtime/allocator.py)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/towers.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    from clip_mini.allocator import keep_freed_memory
+    from clip_mini.runtime.allocator import keep_freed_memory
 
     # as clip-mini sets it for index and eval (benchmarks/bench_allocator.py measures what it gives)
     kept = False if args.plain_malloc else keep_freed_memory()

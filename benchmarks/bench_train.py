@@ -15,7 +15,7 @@ Two clip_mini columns each leave out one lever (plain attention in the training 
 hold the weights in bf16 with fp32 master copies in AdamW, eager and compiled (an experiment: what dropping
 autocast's per-op casts would give; not a training option), and a last one runs open_clip under PyTorch's math
 SDPA backend (``sdpa_kernel(SDPBackend.MATH)``) to show how much of the gap is the attention kernel (see
-``clip_mini/kernels.py``). Skipped with a message when ``open_clip_torch`` (extra ``bench``) is missing.
+``clip_mini/model/layers/kernels.py``). Skipped with a message when ``open_clip_torch`` (extra ``bench``) is missing.
 
 **Configs**: real batches from the real loader (cache on, as in training), ``forward_backward`` + gradient
 clipping + ``optimizer.step`` timed step by step. ``flickr8k`` trains on precomputed features of its locked image
@@ -23,9 +23,9 @@ tower (``train.frozen_features``): its step is the image head, the text tower an
 pass over the images is timed separately; ``flickr8k-pixels`` is the same model running the tower every step;
 ``flickr8k-compiled`` the same step with ``train.compile`` (timed after 4 more warm-up steps, which compile);
 ``flickr8k-torch-dropout`` the same step with the text tower's dropout on torch's own mask instead of
-``clip_mini/dropout.py``'s (``--out benchmarks/results/train_dropout.json``: what that lever gives).
+``clip_mini/model/layers/dropout.py``'s (``--out benchmarks/results/train_dropout.json``: what that lever gives).
 
-**Allocator**: the whole process runs with freed memory kept (``clip_mini/allocator.py``, as ``train.py`` and
+**Allocator**: the whole process runs with freed memory kept (``clip_mini/runtime/allocator.py``, as ``train.py`` and
 ``clip-mini`` set it), open_clip's arms included; ``--plain-malloc`` leaves glibc's defaults
 (``--out benchmarks/results/train_plain_malloc.json``: what that lever gives); ``--trim-mib N`` keeps N MiB of free
 heap top instead of the allocator's default (``--configs flickr8k-pixels --peer-batches --trim-mib 512 --out
@@ -85,8 +85,8 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
     import torch.nn as nn
 
     from clip_mini.config import ModelConfig, TextConfig, TrainConfig, VisionConfig
-    from clip_mini.loss import ClipLoss
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.loss import ClipLoss
+    from clip_mini.model.clip import CLIPModel
     from clip_mini.train.accum import FeatureModel, forward_backward
     from clip_mini.train.optim import build_optimizer, param_groups, set_train_mode
 
@@ -111,7 +111,7 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
                 p.data = p.data.to(torch.bfloat16)
     features, loss_fn, cpu = FeatureModel(model), ClipLoss(), torch.device("cpu")
     if compiled:
-        from clip_mini.compile_pass import CompiledStep
+        from clip_mini.model.layers.compile_pass import CompiledStep
 
         features = CompiledStep(features)
     set_train_mode(model, True)
@@ -125,8 +125,8 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
 
     def kernels():
         stack = ExitStack()
-        if lever_off == "plain_attention":   # the towers ask clip_mini.kernels; answer "fused" every time
-            for module in ("clip_mini.vision", "clip_mini.text"):
+        if lever_off == "plain_attention":   # the towers ask clip_mini.model.layers.kernels; answer "fused" every time
+            for module in ("clip_mini.model.vision", "clip_mini.model.text"):
                 stack.enter_context(mock.patch(f"{module}.fused_attention", lambda x: True))
         return stack
 
@@ -311,7 +311,7 @@ def _config(name: str, tmp: Path):
 def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from clip_mini.loss import ClipLoss
+    from clip_mini.model.loss import ClipLoss
     from clip_mini.train.accum import FeatureModel, forward_backward
     from clip_mini.train.build import build_model, save_tokenizer
     from clip_mini.train.inputs import build_train_inputs, load_splits, make_image_cache
@@ -327,7 +327,7 @@ def bench_config(cfg, tmp: Path, steps: int, warmup: int) -> dict:
     features, loss_fn, device = FeatureModel(model), ClipLoss(), torch.device("cpu")
     eager_features = features   # FLOPs are counted eagerly: FlopCounterMode cannot see inside an inductor graph
     if t.compile:
-        from clip_mini.compile_pass import CompiledStep
+        from clip_mini.model.layers.compile_pass import CompiledStep
 
         features = CompiledStep(features)
         warmup += 4   # compiled at the first batch and again at the first other caption length
@@ -413,13 +413,13 @@ def _frozen_inputs(cfg, model, df, cache, device, images: int = 256):
 
 def _torch_dropout(on: bool):
     """``*-torch-dropout`` configs: the text tower's dropout back on torch's own mask (``F.dropout``), to measure
-    what ``clip_mini/dropout.py``'s cheaper mask gives."""
+    what ``clip_mini/model/layers/dropout.py``'s cheaper mask gives."""
     from contextlib import nullcontext
     from unittest import mock
 
     import torch.nn.functional as F
 
-    return mock.patch("clip_mini.dropout.fast_dropout", lambda x, p, training=True: F.dropout(x, p, training)) \
+    return mock.patch("clip_mini.model.layers.dropout.fast_dropout", lambda x, p, training=True: F.dropout(x, p, training)) \
         if on else nullcontext()
 
 
@@ -437,19 +437,19 @@ def main(argv: list[str] | None = None) -> dict:
                    "torch's own mask")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plain-malloc", action="store_true",
-                   help="leave glibc's malloc thresholds alone (train.py sets them: clip_mini/allocator.py)")
+                   help="leave glibc's malloc thresholds alone (train.py sets them: clip_mini/runtime/allocator.py)")
     p.add_argument("--trim-mib", type=int, default=None,
-                   help="the allocator's kept free heap top in MiB (default: clip_mini.allocator's own)")
+                   help="the allocator's kept free heap top in MiB (default: clip_mini.runtime.allocator's own)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    from clip_mini.allocator import DEFAULT_TRIM_MIB, keep_freed_memory
+    from clip_mini.runtime.allocator import DEFAULT_TRIM_MIB, keep_freed_memory
 
     # process-wide, as train.py sets it: every arm runs under it, open_clip's too
     trim_mib = args.trim_mib or DEFAULT_TRIM_MIB
     kept = False if args.plain_malloc else keep_freed_memory(trim_mib)
     result = {"machine": machine_info(),   # its load average: other processes on the cores slow every number here
-              "allocator": "freed memory kept (clip_mini/allocator.py)" if kept else "glibc default",
+              "allocator": "freed memory kept (clip_mini/runtime/allocator.py)" if kept else "glibc default",
               "trim_mib": trim_mib if kept else None,
               "peer": {}, "configs": {}}
     if args.peer_batches and importlib.util.find_spec("open_clip") is None:

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     from timm.layers import use_fused_attn
 
     from clip_mini.config import VisionConfig
-    from clip_mini.io import atomic_write_json
-    from clip_mini.vision import ImageEncoder
+    from clip_mini.fileio.atomic import atomic_write_json
+    from clip_mini.model.vision import ImageEncoder
 
     result = {"machine": machine_info(),
               "tower": "DINOv2 ViT-S/14 (timm VisionTransformer, LayerScale), CLS pooling",

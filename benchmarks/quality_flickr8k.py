@@ -198,8 +198,8 @@ def _rows(run: Path) -> list[dict]:
 
 # -- scoring ----------------------------------------------------------------------------------------------------
 def score_model(model_dir: Path, config: Path) -> dict:
-    """Test numbers (``clip_mini.model_eval.evaluate_retrieval``) and the trainer's val numbers of one model."""
-    from clip_mini.model_eval import evaluate_retrieval
+    """Test numbers (``clip_mini.eval.scoring.evaluate_retrieval``) and the trainer's val numbers of one model."""
+    from clip_mini.eval.scoring import evaluate_retrieval
 
     trained = json.loads((model_dir / "config.json").read_text()).get("trained", {})
     test = evaluate_retrieval(model_dir, config, split="test", progress=False)
@@ -260,7 +260,7 @@ def time_reserve(run: Path, out: Path) -> dict[str, float]:
     paused run's checkpoint and curves once more, beside the run. The first export (which does this process's
     one-time imports) is outside the clocks; it still counts against the variant's budget.
     """
-    import clip_mini.model_eval  # noqa: F401
+    import clip_mini.eval.scoring  # noqa: F401
     from clip_mini.train import checkpoint as ckpt_io
     from clip_mini.train.logbook import write_curves
 
@@ -293,7 +293,7 @@ def warm_cache(cfg) -> dict:
     if not cfg.data.cache:
         return {"images": 0, "s": 0.0, "note": "data.cache is off"}
     paths = load_table(cfg.data, progress=False)["path"].unique().tolist()
-    pre = PreprocessConfig(image_size=cfg.model.vision.image_size, resize_mode=cfg.data.resize_mode)
+    pre = PreprocessConfig(image_size=cfg.model.vision.image_size, resize_mode=cfg.model.vision.resize_mode)
     cache = make_cache(cfg.data, pre, len(paths))
     if cache is None:
         return {"images": 0, "s": round(time.time() - start, 1), "note": "no room for the image cache"}
@@ -595,12 +595,12 @@ def main(argv=None) -> None:
         results[-1]["machine_fp32_gflops"] = {"before": before, "after": machine_gflops()}
     report = {"benchmark": "quality_flickr8k", "reported_split": "test",
               "protocol": "best/ is selected on val by the trainer (train.best_metric); test is scored for best/ "
-                          "and final/ by clip_mini.model_eval.evaluate_retrieval (the peer: "
-                          "clip_mini.evaluate.retrieval_metrics); val numbers are the trainer's at that epoch",
+                          "and final/ by clip_mini.eval.scoring.evaluate_retrieval (the peer: "
+                          "clip_mini.eval.metrics.retrieval_metrics); val numbers are the trainer's at that epoch",
               "budget_min": args.budget_min, "budget_counts": "everything: timed pieces, set-up, feature passes, "
               "evaluations, the test scores of best and final", "limit_images": args.limit_images or None,
               "machine": machine_info(), "results": results}
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
     from repo_paths import scrub_paths
 
     report = scrub_paths(report)   # the JSON names files relative to the repository, never this machine's layout

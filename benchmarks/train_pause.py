@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--stop-after", type=int, required=True, help="global step to pause after")
     p.add_argument("--resume", action="store_true", help="continue train.out_dir's newest checkpoint")
     args = p.parse_args(argv)
-    from clip_mini.cli import EXIT_USER_ERROR, is_user_error
+    from clip_mini.cli.common import EXIT_USER_ERROR, is_user_error
     from clip_mini.config import load_config
     from clip_mini.train import train
 

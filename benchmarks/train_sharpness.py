@@ -55,7 +55,7 @@ def main() -> None:
     from clip_mini.data import load_image
     from clip_mini.data.transforms import train_base_size
     from benchmarks.repo_paths import relative_to_repo
-    from clip_mini.io import atomic_write_json
+    from clip_mini.fileio.atomic import atomic_write_json
 
     s = args.size
     images = [load_image(os.path.join(args.images, f)) for f in sorted(os.listdir(args.images))]

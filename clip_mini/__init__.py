@@ -30,30 +30,30 @@ def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str =
         batch_size: default inputs per forward pass.
         precision: "fp32", "bf16" or "fp16" autocast.
     """
-    from clip_mini.embed import Embedder
+    from clip_mini.embed import load as _load
 
-    return Embedder.load(model_dir, device=device, batch_size=batch_size, precision=precision)
+    return _load(model_dir, device=device, batch_size=batch_size, precision=precision)
 
 
 # Lazy: `import clip_mini` stays cheap (the CLI's start-up time depends on it). name -> defining module.
 _LAZY = {
-    "CLIPModel": "clip_mini.model",
+    "CLIPModel": "clip_mini.model.clip",
     "Embedder": "clip_mini.embed",
     "EmbeddingIndex": "clip_mini.retrieval.index",
-    "resolve_device": "clip_mini.devices",
-    "keep_freed_memory": "clip_mini.allocator",   # what train.py and clip-mini set; a process-wide choice
+    "resolve_device": "clip_mini.runtime.devices",
+    "keep_freed_memory": "clip_mini.runtime.allocator",   # what train.py and clip-mini set; a process-wide choice
     # the error classes the README lists (and the rest of the package's), all subclasses of ClipMiniError
     "ConfigError": "clip_mini.config",
     "DataError": "clip_mini.data.readers",
     "ImageError": "clip_mini.data.images",
-    "ModelDirError": "clip_mini.manifest",
+    "ModelDirError": "clip_mini.fileio.manifest",
     "EmbeddingIndexError": "clip_mini.retrieval.format",
-    "OutputError": "clip_mini.io",
-    "EvalError": "clip_mini.model_eval",
-    "TokenizerError": "clip_mini.text",
-    "WeightsError": "clip_mini.vision",
-    "UnreadableFileError": "clip_mini.bounded_read",
-    "DeviceError": "clip_mini.devices",
+    "OutputError": "clip_mini.fileio.atomic",
+    "EvalError": "clip_mini.eval.scoring",
+    "TokenizerError": "clip_mini.model.text",
+    "WeightsError": "clip_mini.model.weights",
+    "UnreadableFileError": "clip_mini.fileio.bounded_read",
+    "DeviceError": "clip_mini.runtime.devices",
 }
 
 

@@ -1,4 +1,5 @@
-"""``python -m clip_mini``: the same command line as ``clip-mini``."""
-from clip_mini.cli import main
+"""``python -m clip_mini``: the same command line as ``clip-mini`` (whose entry point is this module's ``main``)."""
+from clip_mini.cli.main import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

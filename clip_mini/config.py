@@ -25,6 +25,9 @@ class ConfigError(ClipMiniError, ValueError):
 class VisionConfig:
     backbone: Literal["vit", "efficientnet_lite0"] = "vit"
     image_size: int = 64          # square input side the tower is built for (ViT resamples pos-embed for others)
+    # squash: whole image to S x S; center_crop: shorter side to S, then the centre square (eval) / random crops
+    # from the whole picture (training). Part of the model's preprocessing (saved in preprocess.json).
+    resize_mode: Literal["squash", "center_crop"] = "squash"
     patch_size: int = 8
     width: int = 192
     depth: int = 4
@@ -125,9 +128,6 @@ class DataConfig:
     scale_min: float = 0.8        # RandomResizedCrop lower scale
     color_jitter: float = 0.1
     hflip: bool = False           # off: captions say "left" and "right"
-    # squash: whole image to S x S; center_crop: shorter side to S, then the centre square (eval) / random crops
-    # from the whole picture (training). Saved in the model's preprocess.json.
-    resize_mode: Literal["squash", "center_crop"] = "squash"
     # format: webdataset reads tar shards instead of `captions` (see data/README.md and clip_mini/data/wds_stream.py)
     shards: Optional[str] = None        # brace pattern, e.g. data/wds/{000000..000099}.tar (pipe: and http work)
     val_shards: Optional[str] = None    # default: the last shard of `shards` is held out for validation
@@ -163,10 +163,10 @@ class TrainConfig:
     # > 0 with a locked image tower: precompute its outputs for this many views per image (view 0 the eval
     # transform, the rest augmented) instead of running it every step; see clip_mini/train/frozen.py
     frozen_features: int = 0
-    # run that precompute through torch.compile (inductor, weights frozen; clip_mini/compile_pass.py): seconds to
+    # run that precompute through torch.compile (inductor, weights frozen; clip_mini/model/layers/compile_pass.py): seconds to
     # compile, then ~1.12x on a CPU without AMX (benchmarks/results/compile_noamx.json); eager if compiling fails
     compile_tower: bool = False
-    # the training step's forward and backward through torch.compile (inductor; clip_mini/compile_pass.py
+    # the training step's forward and backward through torch.compile (inductor; clip_mini/model/layers/compile_pass.py
     # CompiledStep): tens of seconds of compilation (the first batch, then once more for any other caption
     # length), then 1.06-1.11x on the tiny-CLIP step and no gain on the flickr8k step on a CPU without AMX
     # (benchmarks/results/train_noamx.json); eager if compiling fails
@@ -454,8 +454,10 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections (model, data, train)")
+    _move_renamed(data)
     for text in overrides or []:
         key, value = parse_override(text)
+        key = RENAMED.get(key, key)
         try:
             _check_key(key)   # before merging: an unknown key is then known to come from --set, not the file
         except ConfigError as e:
@@ -465,6 +467,31 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         return from_dict(Config, data).validate()
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+# keys that moved: old configs (and the config.yaml of runs being resumed) still load
+RENAMED = {"data.resize_mode": "model.vision.resize_mode"}
+
+
+def _move_renamed(data: dict) -> None:
+    for old, new in RENAMED.items():
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            value = data[section].pop(key)
+            try:
+                _get_path(data, new)
+            except KeyError:
+                _set_path(data, new, value)
+            else:
+                raise ConfigError(f"{old} and {new} are the same setting ({old} is its old name): keep {new}")
+
+
+def _get_path(d: dict, dotted: str) -> Any:
+    for p in dotted.split("."):
+        if not isinstance(d, dict) or p not in d:
+            raise KeyError(dotted)
+        d = d[p]
+    return d
 
 
 def dump_config(cfg: Config) -> str:
@@ -477,7 +504,7 @@ def dump_config(cfg: Config) -> str:
 def save_config(cfg: Config, path: str | Path) -> None:
     import yaml
 
-    from clip_mini.io import atomic_write_text
+    from clip_mini.fileio.atomic import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(_plain(to_dict(cfg)), sort_keys=False))
 

@@ -16,9 +16,9 @@ from typing import Any, Iterator, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from clip_mini.devices import DeviceArg, resolve_device, to_device
+from clip_mini.runtime.devices import DeviceArg, resolve_device, to_device
 from clip_mini.errors import InputError
-from clip_mini.precision import autocast
+from clip_mini.runtime.precision import autocast
 
 __all__ = ["Embedder", "InputError"]
 
@@ -71,7 +71,7 @@ class Embedder:
     @classmethod
     def load(cls, model_dir: str | Path, device: DeviceArg = "auto", batch_size: int = 64,
              precision: str = "fp32") -> "Embedder":
-        from clip_mini.model import CLIPModel
+        from clip_mini.model.clip import CLIPModel
 
         device = resolve_device(device)   # before reading weights: a bad --device fails at once
         return cls(CLIPModel.from_pretrained(model_dir), device=device, batch_size=batch_size, precision=precision,
@@ -206,6 +206,11 @@ class Embedder:
     def _batch_size(self, batch_size: Optional[int]) -> int:
         return self.batch_size if batch_size is None else _positive(batch_size, "batch_size")
 
+
+
+def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "fp32") -> Embedder:
+    """``clip_mini.load``: a model directory as an ``Embedder`` (see ``Embedder.load``)."""
+    return Embedder.load(model_dir, device=device, batch_size=batch_size, precision=precision)
 
 def _positive(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

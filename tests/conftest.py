@@ -34,7 +34,7 @@ def make_model_dir(out: Path, seed: int = 0, captions=None, **changes) -> Path:
     """An untrained tiny model saved as a model directory."""
     import torch
 
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     torch.manual_seed(seed)
     captions = captions or ["a red circle", "a blue square", "a green star", "a yellow triangle"] * 4
@@ -104,8 +104,8 @@ def trained_model_dir(shapes_splits, tmp_path_factory) -> Path:
     import torch
 
     from clip_mini.data import build_eval_transform, load_image
-    from clip_mini.loss import clip_loss
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.loss import clip_loss
+    from clip_mini.model.clip import CLIPModel
 
     df = shapes_splits["train"]
     torch.manual_seed(0)

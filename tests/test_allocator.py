@@ -1,4 +1,4 @@
-"""clip_mini.allocator: freed activations stay in the process, so the next step reuses them without page faults."""
+"""clip_mini.runtime.allocator: freed activations stay in the process, so the next step reuses them without page faults."""
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = r"""
 import resource, sys, torch
 if sys.argv[1] == "keep":
-    from clip_mini.allocator import keep_freed_memory
+    from clip_mini.runtime.allocator import keep_freed_memory
     assert keep_freed_memory()
 torch.manual_seed(0)
 net = torch.nn.Sequential(*[m for _ in range(2) for m in (torch.nn.Linear(256, 3072), torch.nn.GELU(),
@@ -46,13 +46,13 @@ def test_freed_memory_is_reused_without_page_faults():
 
 
 def test_both_programs_set_it():
-    from clip_mini import cli
-    from clip_mini.train import cli as train_cli
+    from clip_mini.cli import main as cli
+    from clip_mini.cli import train as train_cli
 
-    with mock.patch("clip_mini.allocator.keep_freed_memory") as keep:
+    with mock.patch("clip_mini.runtime.allocator.keep_freed_memory") as keep:
         assert cli.main(["search", "a dog", "--index", "/nonexistent/index"]) == 2
     keep.assert_called_once()
-    with mock.patch("clip_mini.allocator.keep_freed_memory") as keep, \
+    with mock.patch("clip_mini.runtime.allocator.keep_freed_memory") as keep, \
             mock.patch.object(train_cli, "run", return_value=0) as run:
         assert train_cli.main(["--config", str(ROOT / "configs/tiny.yaml")]) == 0
     keep.assert_called_once()
@@ -60,7 +60,7 @@ def test_both_programs_set_it():
 
 
 def test_refuses_quietly_off_glibc():
-    from clip_mini import allocator
+    from clip_mini.runtime import allocator
 
     with mock.patch.object(allocator.sys, "platform", "darwin"):
         assert allocator.keep_freed_memory() is False

@@ -9,7 +9,7 @@ from PIL import Image
 
 import clip_mini
 from clip_mini.config import ModelConfig, TextConfig, VisionConfig
-from clip_mini.model import CLIPModel
+from clip_mini.model.clip import CLIPModel
 
 CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a yellow star"]
 
@@ -123,7 +123,7 @@ def test_load_errors_share_the_base(tmp_path):
 
 
 def test_device_resolution():
-    from clip_mini.devices import resolve_device
+    from clip_mini.runtime.devices import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,11 +1,11 @@
-"""BatchNorm folding for the inference copy of a CNN tower (clip_mini.bn_fold, vision.inference_tower)."""
+"""BatchNorm folding for the inference copy of a CNN tower (clip_mini.model.layers.bn_fold, vision.inference_tower)."""
 import pytest
 import torch
 import torch.nn as nn
 
-from clip_mini.bn_fold import fold_batchnorm
+from clip_mini.model.layers.bn_fold import fold_batchnorm
 from clip_mini.config import VisionConfig
-from clip_mini.vision import ImageEncoder, inference_tower, tower_input
+from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
 
 
 def _randomise_bn(model: nn.Module) -> None:

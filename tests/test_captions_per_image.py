@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from clip_mini.config import ConfigError, load_config
-from clip_mini.loss import clip_loss, multi_positive_nll, siglip_loss
+from clip_mini.model.loss import clip_loss, multi_positive_nll, siglip_loss
 from clip_mini.train import text_cache
 
 
@@ -100,7 +100,7 @@ def _losses(run_dir):
 ])
 def test_a_run_trains_on_every_caption_and_accumulation_gives_the_same_steps(tmp_path, monkeypatch, tower):
     from clip_mini.data import generate
-    from clip_mini.loss import ClipLoss
+    from clip_mini.model.loss import ClipLoss
     from clip_mini.train import train
 
     shapes = generate(tmp_path / "shapes", n=48, seed=0, size=32)   # 3 captions per image

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clip_mini.cli import main
-from clip_mini.viz import grid_size
+from clip_mini.cli.main import main
+from clip_mini.pictures.draw import grid_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,7 +161,7 @@ def test_corrupt_index_exit_2(small_index, tmp_path, capsys):
 
 
 def test_text_search_does_not_import_torch_and_infer_wrapper(small_index):
-    code = ("import sys; from clip_mini.cli import main; rc = main(['search', '--index', sys.argv[1], 'a dog', "
+    code = ("import sys; from clip_mini.cli.main import main; rc = main(['search', '--index', sys.argv[1], 'a dog', "
             "'-k', '2', '--json']); print('torch' in sys.modules, file=sys.stderr); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code, str(small_index)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -200,7 +200,7 @@ def test_index_from_data_config_stores_captions(model_dir, tmp_path, capsys):
 def test_torchrun_shards_then_merge(model_dir, image_folder, tmp_path):
     out = tmp_path / "idx"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m",
-           "clip_mini.cli", "index", "--model", str(model_dir), "--images", str(image_folder), "--out", str(out),
+           "clip_mini.cli.main", "index", "--model", str(model_dir), "--images", str(image_folder), "--out", str(out),
            "--quiet"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -214,7 +214,7 @@ def test_torchrun_shards_then_merge(model_dir, image_folder, tmp_path):
 def test_default_workers_decode_in_process_on_a_cpu(monkeypatch):
     import torch
 
-    from clip_mini import devices
+    from clip_mini.runtime import devices
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
@@ -226,7 +226,7 @@ def test_default_workers_decode_in_process_on_a_cpu(monkeypatch):
 
 
 def test_index_in_process_default_matches_a_decoding_worker(model_dir, image_folder, tmp_path, monkeypatch):
-    from clip_mini import devices
+    from clip_mini.runtime import devices
     from clip_mini.retrieval.index import EmbeddingIndex
 
     used = []

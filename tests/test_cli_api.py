@@ -12,7 +12,7 @@ import yaml
 
 import clip_mini
 from clip_mini import EmbeddingIndex
-from clip_mini.cli import main
+from clip_mini.cli.main import main
 
 
 def _run(argv, capsys) -> tuple[int, str, str]:
@@ -74,7 +74,7 @@ def test_quiet_index_writes_no_progress_and_captions_file_is_indexed(model_dir, 
 def test_bars_become_periodic_lines_off_a_terminal(capsys):
     from tqdm import tqdm
 
-    from clip_mini.progress import console
+    from clip_mini.cli.progress import console
 
     with console(quiet=False, interval=3600):   # capsys' stderr is not a terminal
         for _ in tqdm(range(500), desc="work", mininterval=0):
@@ -117,7 +117,7 @@ def test_moved_folder_and_index_keep_working(model_dir, tmp_path, capsys):
 def test_format_version_1_indexes_are_still_read(model_dir, tmp_path):
     from conftest import write_images
 
-    from clip_mini.io import atomic_write_json, sha256_file
+    from clip_mini.fileio.atomic import atomic_write_json, sha256_file
     from clip_mini.retrieval import format as F
 
     write_images(tmp_path / "photos", 3)
@@ -191,13 +191,13 @@ def test_device_errors_and_attention_refuses_non_vit_before_loading(model_dir, t
 
 
 def test_json_numbers_are_rounded(capsys):
-    from clip_mini.printing import print_json
+    from clip_mini.cli.printing import print_json
 
     print_json({"score": 0.002222222276031971, "rows": [1.0000000001, 3, 0.1], "n": 5, "nan": float("nan")})
     out = json.loads(capsys.readouterr().out)
     assert out == {"score": 0.0022222223, "rows": [1.0, 3, 0.1], "n": 5, "nan": out["nan"]}
     # lossless for float32 values (what scores and metrics are): each reads back as the same float32
     values = np.random.default_rng(0).normal(size=1000).astype(np.float32)
-    from clip_mini.printing import short_float
+    from clip_mini.cli.printing import short_float
 
     assert all(np.float32(short_float(float(v))) == v for v in values)

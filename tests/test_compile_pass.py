@@ -1,4 +1,4 @@
-"""train.compile_tower: the frozen-feature pass through torch.compile (clip_mini/compile_pass.py) gives the eager
+"""train.compile_tower: the frozen-feature pass through torch.compile (clip_mini/model/layers/compile_pass.py) gives the eager
 pass's features, compiles once for every batch size it meets (a short last batch is padded, a longer one runs
 eagerly), and falls back to the eager pass with a warning when compiling fails."""
 import shutil
@@ -7,11 +7,11 @@ import warnings
 import pytest
 import torch
 
-from clip_mini.compile_pass import CompiledPass
+from clip_mini.model.layers.compile_pass import CompiledPass
 from clip_mini.config import VisionConfig, load_config
 from clip_mini.train import frozen as frozen_io
 from clip_mini.train.optim import freeze_towers
-from clip_mini.vision import ImageEncoder, inference_tower, tower_input
+from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
 
 from test_train_frozen import _model
 from test_train_loop import TINY, shapes  # noqa: F401 (fixture)

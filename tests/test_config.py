@@ -47,3 +47,15 @@ def test_bad_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="key.sub=value"):
         load_config(None, ["train.epochs"])
+
+
+def test_the_old_resize_mode_key_still_loads(tmp_path):
+    # data.resize_mode moved to the model's preprocessing (model.vision.resize_mode); old configs keep working
+    old = tmp_path / "old.yaml"
+    old.write_text("data:\n  resize_mode: center_crop\n")
+    assert load_config(old).model.vision.resize_mode == "center_crop"
+    assert load_config(None, ["data.resize_mode=center_crop"]).model.vision.resize_mode == "center_crop"
+    both = tmp_path / "both.yaml"
+    both.write_text("data:\n  resize_mode: center_crop\nmodel:\n  vision:\n    resize_mode: squash\n")
+    with pytest.raises(ConfigError, match="model.vision.resize_mode"):
+        load_config(both)

@@ -1,13 +1,13 @@
 """Convolution + activation fused into one oneDNN call for the bf16 inference copy of a CNN tower
-(clip_mini.conv_act, vision.inference_tower)."""
+(clip_mini.model.layers.conv_act, vision.inference_tower)."""
 import pytest
 import torch
 import torch.nn as nn
 
-from clip_mini import conv_act
+from clip_mini.model.layers import conv_act
 from clip_mini.config import VisionConfig
-from clip_mini.conv_act import ConvAct, fuse_conv_act
-from clip_mini.vision import ImageEncoder, inference_tower, tower_input
+from clip_mini.model.layers.conv_act import ConvAct, fuse_conv_act
+from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
 
 pytestmark = pytest.mark.skipif(not conv_act.available(), reason="this torch build has no oneDNN fused convolution")
 
@@ -16,7 +16,7 @@ def _bf16_trunk(pad_type: str) -> nn.Module:
     """EfficientNet-Lite0 as inference_tower has it before the fusion: BN folded, bf16, channels-last."""
     import timm
 
-    from clip_mini.bn_fold import fold_batchnorm
+    from clip_mini.model.layers.bn_fold import fold_batchnorm
 
     torch.manual_seed(0)
     model = timm.create_model("efficientnet_lite0", num_classes=0, bn_eps=1e-3, pad_type=pad_type).eval()

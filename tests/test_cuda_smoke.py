@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import clip_mini
-from clip_mini.cli import main
+from clip_mini.cli.main import main
 from clip_mini.config import load_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -47,7 +47,7 @@ def test_training_ran_on_the_gpu_with_tf32_and_workers(trained):
     from clip_mini.train.checkpoint import load_checkpoint, read_index
 
     assert torch.get_float32_matmul_precision() == "high"   # TF32 on
-    from clip_mini.devices import loader_workers
+    from clip_mini.runtime.devices import loader_workers
 
     saved = yaml_config(trained)
     assert saved["data"]["workers"] is None and loader_workers(None) >= 1   # auto: loader workers on a GPU

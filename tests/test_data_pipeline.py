@@ -310,7 +310,7 @@ def test_collate_images_keeps_bf16_batches_channels_last_with_the_same_values(tm
 
 
 def _tokenizer(captions):
-    from clip_mini.text import train_tokenizer
+    from clip_mini.model.text import train_tokenizer
 
     return train_tokenizer(captions, vocab_size=200)
 

@@ -1,10 +1,10 @@
-"""clip_mini.dropout: torch's dropout in distribution with a cheaper CPU mask, and the text tower using it."""
+"""clip_mini.model.layers.dropout: torch's dropout in distribution with a cheaper CPU mask, and the text tower using it."""
 import pytest
 import torch
 
 from clip_mini.config import TextConfig
-from clip_mini.dropout import fast_dropout, keep_mask
-from clip_mini.text import TextEncoder
+from clip_mini.model.layers.dropout import fast_dropout, keep_mask
+from clip_mini.model.text import TextEncoder
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

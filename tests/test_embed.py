@@ -7,7 +7,7 @@ from PIL import Image
 import clip_mini
 from clip_mini.config import ModelConfig, TextConfig, VisionConfig
 from clip_mini.embed import InputError
-from clip_mini.model import CLIPModel
+from clip_mini.model.clip import CLIPModel
 
 CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a yellow star"]
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from clip_mini.evaluate import median_rank, retrieval_metrics, zero_shot_accuracy
+from clip_mini.eval.metrics import median_rank, retrieval_metrics, zero_shot_accuracy
 
 
 def _unit(rows: np.ndarray) -> np.ndarray:
@@ -120,7 +120,7 @@ def split_with_bad_image(tmp_path_factory):
     """A tiny untrained model, a 6-image split (2 captions each) and the same split's image 2 made unreadable."""
     import pandas as pd
 
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     from conftest import tiny_model_config, write_images
 
@@ -141,7 +141,7 @@ def split_with_bad_image(tmp_path_factory):
 @pytest.mark.filterwarnings("ignore:skipping unreadable image")
 def test_unreadable_image_is_dropped_with_its_captions(split_with_bad_image, capsys):
     from clip_mini.data import build_eval_transform
-    from clip_mini.evaluation import drop_unreadable, evaluate_model
+    from clip_mini.eval.validation import drop_unreadable, evaluate_model
 
     model, df, bad = split_with_bad_image
     transform = build_eval_transform(model.preprocess)
@@ -158,7 +158,7 @@ def test_unreadable_image_is_dropped_with_its_captions(split_with_bad_image, cap
 
 def test_precomputed_tower_features_drop_unreadable_images_too(split_with_bad_image):
     from clip_mini.data import build_eval_transform, load_image
-    from clip_mini.evaluation import evaluate_model
+    from clip_mini.eval.validation import evaluate_model
 
     model, df, _ = split_with_bad_image
     transform = build_eval_transform(model.preprocess)
@@ -196,7 +196,7 @@ def test_eval_of_best_reproduces_the_trainers_row(eval_shapes, tmp_path, locked,
     """
     import json
 
-    from clip_mini.cli import main
+    from clip_mini.cli.main import main
     from clip_mini.config import load_config
     from clip_mini.train import train
 

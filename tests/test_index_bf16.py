@@ -163,7 +163,7 @@ def test_bf16_merge_faiss_and_server_copy(tmp_path, embedder, image_folder):
 
 
 def test_cli_index_dtype_and_search(tmp_path, model_dir, image_folder, capsys):
-    from clip_mini.cli import main
+    from clip_mini.cli.main import main
 
     out = tmp_path / "idx"
     assert main(["index", "--model", str(model_dir), "--images", str(image_folder), "--out", str(out),

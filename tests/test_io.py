@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from clip_mini.io import OutputError, atomic_dir, atomic_write_text
+from clip_mini.fileio.atomic import OutputError, atomic_dir, atomic_write_text
 
 
 def test_atomic_files_and_dirs_get_normal_permissions(tmp_path):

@@ -1,22 +1,126 @@
-"""Imports run one way: the retrieval modules in the order of ``clip_mini/retrieval/__init__.py``, nothing outside
-``train/`` imports the trainer, and leaf modules stay leaves. Read from the source (AST), lazy imports included."""
+"""Imports run one way, read from the source (AST), imports inside functions included:
+
+    cli, serve  ->  retrieval, train, eval  ->  model, data, pictures  ->  config, errors, version, runtime, fileio
+
+No import circles; the model never imports retrieval, serve, the CLI, training or evaluation; nothing in the
+package imports the package root (which is the public API for users); the root holds at most 8 modules.
+"""
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
-RETRIEVAL_ORDER = ["rows", "search", "faiss_auto", "format", "files", "onnx_export", "reader", "build", "shards", "wds_source",
+RETRIEVAL_ORDER = ["rows", "search", "faiss_auto", "format", "files", "reader", "build", "shards", "wds_source",
                    "ray_index", "preprocess_np", "query", "engine", "index"]
+# package (or root module) -> what it must never import
+FORBIDDEN = {
+    "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config"],
+    "runtime": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "embed"],
+    "config": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed"],
+    "model": ["train", "eval", "retrieval", "serve", "cli", "embed", "pictures"],
+    "data": ["model", "train", "eval", "retrieval", "serve", "cli", "embed"],
+    "pictures": ["model", "train", "eval", "retrieval", "serve", "cli", "embed"],
+    "embed": ["train", "eval", "retrieval", "serve", "cli"],
+    "eval": ["train", "serve", "cli"],
+    "train": ["retrieval", "serve", "cli"],
+    "retrieval": ["train", "eval", "serve", "cli"],
+    "serve": ["train", "cli"],
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PKG.rglob("*.py")}
 
 
 def _imports(path: Path) -> set[str]:
+    """Modules of the package that ``path`` imports (``from a import b`` counts as ``a.b`` when b is a module)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)   # `from clip_mini.retrieval import search`
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in MODULES else node.module)
     return {m for m in found if m == "clip_mini" or m.startswith("clip_mini.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: {m for m in _imports(path) if m in MODULES} for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module, or a module importing itself (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in graph.items():
+        for dep in deps:
+            if dep == "clip_mini" and mod not in ("clip_mini", "clip_mini.__main__"):
+                bad.append(f"{mod} imports the package root")
+            elif _area(dep) in FORBIDDEN.get(_area(mod), []):
+                bad.append(f"{mod} imports {dep}")
+    return sorted(bad)
+
+
+def test_no_import_circles():
+    assert _cycles(_graph()) == []
+
+
+def test_no_upward_imports():
+    assert _upward(_graph()) == []
+
+
+def test_the_checks_catch_a_circle_and_an_upward_import():
+    graph = _graph()
+    graph["clip_mini.model.vision"] = graph["clip_mini.model.vision"] | {"clip_mini.retrieval.index"}
+    assert "clip_mini.model.vision imports clip_mini.retrieval.index" in _upward(graph)
+    graph["clip_mini.fileio.atomic"] = graph["clip_mini.fileio.atomic"] | {"clip_mini.fileio.manifest"}
+    assert any("clip_mini.fileio.atomic" in c for c in _cycles(graph))   # manifest imports atomic
+
+
+def test_root_holds_at_most_eight_modules():
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= 8, root
 
 
 def test_retrieval_imports_only_modules_above_it():
@@ -24,27 +128,28 @@ def test_retrieval_imports_only_modules_above_it():
         allowed = {f"clip_mini.retrieval.{m}" for m in RETRIEVAL_ORDER[:i]}
         for imp in _imports(PKG / "retrieval" / f"{name}.py"):
             if imp.startswith("clip_mini.retrieval."):
-                mod = ".".join(imp.split(".")[:3])
-                assert mod in allowed, f"retrieval/{name}.py imports {imp}, which is not above it"
+                assert imp in allowed, f"retrieval/{name}.py imports {imp}, which is not above it"
 
 
-def test_nothing_outside_train_imports_the_trainer():
-    for path in PKG.rglob("*.py"):
-        if "train" in path.relative_to(PKG).parts or path.name in ("cli.py", "__main__.py"):
-            continue   # the trainer itself, and the command line on top of everything
+def test_nothing_outside_train_and_cli_imports_the_trainer():
+    for name, path in MODULES.items():
+        if _area(name) in ("train", "cli"):
+            continue
         bad = [m for m in _imports(path) if m.startswith("clip_mini.train")]
-        assert not bad, f"{path.relative_to(PKG)} imports the trainer: {bad}"
+        assert not bad, f"{name} imports the trainer: {bad}"
 
 
-def test_leaves_stay_leaves():
-    # model.py records the version without importing the package root (which pulls in the embedding API)
-    assert "clip_mini" not in _imports(PKG / "model.py")
-    assert "clip_mini.version" in _imports(PKG / "model.py")
-    # the command bodies print through printing.py, not through the argument parser that imports them
-    assert not any(m.startswith("clip_mini.cli") for m in _imports(PKG / "commands.py"))
-    for leaf in ("version.py", "printing.py", "retrieval/rows.py"):
-        assert _imports(PKG / leaf) <= {"clip_mini.io", "clip_mini.io.atomic_write_with"}, \
-            f"{leaf} should import nothing from clip_mini but the file helpers"
+@pytest.mark.parametrize("leaf", ["version.py", "cli/printing.py", "retrieval/rows.py", "errors.py"])
+def test_leaves_stay_leaves(leaf):
+    assert _imports(PKG / leaf) <= {"clip_mini.fileio.atomic"}, f"{leaf} should import nothing but the file helpers"
+
+
+def test_search_back_ends_read_rows_only():
     # the search back ends read stored rows (float16 or bfloat16) and nothing else of the package
-    assert {m for m in _imports(PKG / "retrieval/search.py") if not m.startswith("clip_mini.retrieval.rows")} <= \
-        {"clip_mini.io", "clip_mini.io.atomic_write_with"}, "retrieval/search.py should import only rows and io"
+    assert _imports(PKG / "retrieval/search.py") <= {"clip_mini.retrieval.rows", "clip_mini.fileio.atomic"}
+
+
+def test_command_modules_do_not_import_the_parser():
+    for path in (PKG / "cli").glob("*.py"):
+        if path.name != "main.py":
+            assert "clip_mini.cli.main" not in _imports(path), f"cli/{path.name} imports the top-level parser"

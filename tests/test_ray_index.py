@@ -13,7 +13,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'clip-mini[ray]'")
 
 import clip_mini  # noqa: E402
-from clip_mini.convert import convert_to_webdataset  # noqa: E402
+from clip_mini.data.convert import convert_to_webdataset  # noqa: E402
 from clip_mini.data.readers import read_captions  # noqa: E402
 from clip_mini.data.webdataset import expand_shards  # noqa: E402
 from clip_mini.retrieval.ray_index import embed_with_ray, ray_embedder  # noqa: E402

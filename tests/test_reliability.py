@@ -20,7 +20,7 @@ from typing import Callable
 
 import pytest
 
-from clip_mini.cli import main
+from clip_mini.cli.main import main
 from conftest import write_images
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,8 +130,8 @@ def _unlink(rel: str) -> Callable[[Path], None]:
 def _reseal_manifest(model: Path) -> None:
     """Recompute a model directory's manifest so its checksums match what is there now: the damage must then be
     caught by the loader itself, not by the checksum check."""
-    from clip_mini.io import sha256_file
-    from clip_mini.model import _fingerprint
+    from clip_mini.fileio.atomic import sha256_file
+    from clip_mini.model.clip import _fingerprint
 
     manifest = json.loads((model / "manifest.json").read_text())
     manifest["files"] = {name: sha256_file(model / name) for name in manifest["files"] if (model / name).is_file()}
@@ -536,8 +536,8 @@ def test_index_on_full_disk_keeps_previous_index(base, tmp_path, capsys, disk_fu
 
 
 def test_model_save_on_full_disk_keeps_previous_model(base, tmp_path, disk_full):
-    from clip_mini.io import OutputError
-    from clip_mini.model import CLIPModel
+    from clip_mini.fileio.atomic import OutputError
+    from clip_mini.model.clip import CLIPModel
 
     target = tmp_path / "model"
     shutil.copytree(base["model"], target)

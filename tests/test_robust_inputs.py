@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from clip_mini import bounded_read
+from clip_mini.fileio import bounded_read
 from clip_mini.config import DataConfig
 from clip_mini.data.dataset import CaptionDataset, load_table
 from clip_mini.data.images import ImageError, check_images, load_image

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clip_mini.search import build_faiss, exact_search, faiss_available, faiss_search
+from clip_mini.retrieval.search import build_faiss, exact_search, faiss_available, faiss_search
 
 
 def _unit(rng, n, d):
@@ -80,7 +80,7 @@ def test_faiss_agrees_with_exact(kind):
 
 def test_recall_at_k_matches_hand_computation():
     """3 images x 3 captions: caption j belongs to image j; similarities chosen so each rank is known."""
-    from clip_mini.evaluate import retrieval_metrics
+    from clip_mini.eval.metrics import retrieval_metrics
 
     # sim[text, image] = text_features @ image_features.T; build features from the matrix via identity images.
     image_features = np.eye(3, dtype=np.float32)
@@ -152,7 +152,7 @@ def test_compositional_split_pairs_never_seen_in_training(trained_model_dir, sha
     import json
     import shutil
 
-    from clip_mini.cli import main
+    from clip_mini.cli.main import main
     from clip_mini.data import read_captions
     from clip_mini.data.synthetic import HELD_OUT
     from clip_mini.retrieval.index import EmbeddingIndex

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clip_mini.cli import main
-from clip_mini.io import sha256_file
+from clip_mini.cli.main import main
+from clip_mini.fileio.atomic import sha256_file
 from clip_mini.retrieval import faiss_auto as FA
-from clip_mini.search import build_faiss, faiss_available
+from clip_mini.retrieval.search import build_faiss, faiss_available
 
 from conftest import write_images
 
@@ -43,7 +43,7 @@ def test_tune_reaches_the_target_with_the_smallest_step(kind):
     smaller = [s for s in FA.STEPS[kind] if s < params[name]]
     if smaller:   # the step below missed the target (else tune would have stopped there)
         FA.set_param(index, kind, smaller[-1])
-        from clip_mini.search import exact_search, faiss_search
+        from clip_mini.retrieval.search import exact_search, faiss_search
 
         q = FA.proxy_queries(emb)
         recall = FA.recall_at(faiss_search(index, q, 10)[1], exact_search(emb, q, 10)[1])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import clip_mini
-from clip_mini.retrieval.onnx_export import INDEX, ONNX_DIR, OnnxError, ensure_onnx
+from clip_mini.model.onnx_export import INDEX, ONNX_DIR, OnnxError, ensure_onnx
 from clip_mini.retrieval.query import ImageQueryEncoder, QueryEncoderError, TextQueryEncoder
 
 from conftest import FLICKR8K, TINY, make_model_dir
@@ -36,7 +36,7 @@ def test_image_graph_of_a_partly_locked_cls_mean_vit_matches_torch(tmp_path):
     tokens in training, [CLS ; patch mean] read-out. The graph is the eval forward: every token kept."""
     import torch
 
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     vision = {**TINY["vision"], "pooling": "cls_mean", "trainable_blocks": 1, "patch_drop": 0.5}
     model_dir = make_model_dir(tmp_path / "m", seed=4, vision=vision)
@@ -60,7 +60,7 @@ def _images(n: int, seed: int = 0) -> list[np.ndarray]:
 def test_onnx_graphs_match_torch(exported):
     import torch
 
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     model = CLIPModel.from_pretrained(exported)
     text = TextQueryEncoder.load(exported)
@@ -93,7 +93,7 @@ def test_query_path_matches_clip_mini_load(exported):
 
 
 def test_tokenizer_matches_model_tokenizer(exported):
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     model = CLIPModel.from_pretrained(exported)
     fast = TextQueryEncoder.load(exported)
@@ -184,8 +184,8 @@ def test_onnx_of_another_model_refused(exported, other_model_dir, tmp_path):
 
 
 def test_read_only_model_dir_exports_into_the_user_cache(exported, tmp_path, monkeypatch):
-    from clip_mini.io import OutputError
-    from clip_mini.retrieval import onnx_export
+    from clip_mini.fileio.atomic import OutputError
+    from clip_mini.model import onnx_export
 
     model_dir = _copy(exported, tmp_path / "m")
     shutil.rmtree(model_dir / ONNX_DIR)
@@ -229,7 +229,7 @@ def test_unchanged_onnx_is_hashed_once_and_an_edit_is_still_caught(exported, tmp
     import os
     import time
 
-    from clip_mini import checksums
+    from clip_mini.fileio import checksums
 
     monkeypatch.setenv("CLIP_MINI_CACHE_DIR", str(tmp_path / "cache"))
     model_dir = _copy(exported, tmp_path / "m")

@@ -321,7 +321,7 @@ def test_reload_while_clip_mini_index_add_runs(model_dir, tmp_path):
 
 
 def test_a_bad_new_generation_leaves_the_old_one_serving(model_dir, tmp_path):
-    from clip_mini.io import atomic_write_text
+    from clip_mini.fileio.atomic import atomic_write_text
     from clip_mini.retrieval.index import EmbeddingIndex
 
     EmbeddingIndex.build(tmp_path / "index", model_dir, write_images(tmp_path / "photos", 5), progress=False)
@@ -348,7 +348,7 @@ def test_index_of_another_model_is_refused(model_dir, other_model_dir, tmp_path)
     EmbeddingIndex.build(tmp_path / "index", other_model_dir, write_images(tmp_path / "p", 3), progress=False)
     with pytest.raises(EmbeddingIndexError, match="not comparable"):
         IndexWatcher(tmp_path / "index", EmbeddingIndex.load(tmp_path / "index").fingerprint + "x")
-    from clip_mini.cli import main
+    from clip_mini.cli.main import main
 
     assert main(["serve", "--index", str(tmp_path / "index"), "--model", str(model_dir)]) == 2
 
@@ -420,7 +420,7 @@ def test_batcher_searches_waiting_queries_together(small_index):
                                           (["--index", "X", "--device", "tpu"], "tpu"),
                                           (["--index", "X", "--device", "cuda:99"], "cuda:99")])
 def test_cli_errors(args, message, capsys, tmp_path):
-    from clip_mini.cli import main
+    from clip_mini.cli.main import main
 
     assert main(["serve", *[str(tmp_path / a) if a in ("missing", "X") else a for a in args]]) == 2
     assert message in capsys.readouterr().err

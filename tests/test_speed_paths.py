@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from clip_mini.config import ModelConfig, TextConfig, VisionConfig
-from clip_mini.kernels import fused_attention
-from clip_mini.model import CLIPModel
-from clip_mini.vision import ImageEncoder, inference_tower, tower_input
+from clip_mini.model.layers.kernels import fused_attention
+from clip_mini.model.clip import CLIPModel
+from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
 
 VIT = VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2)
 EFFNET = VisionConfig(backbone="efficientnet_lite0", image_size=64, trainable=False)
@@ -99,7 +99,7 @@ def test_bf16_indexing_loader_feeds_the_tower_the_same_pixels(tmp_path, cfg):
 
     from clip_mini.data import build_eval_transform, load_image
     from clip_mini.embed import Embedder
-    from clip_mini.model import ImageForward
+    from clip_mini.model.clip import ImageForward
     from clip_mini.retrieval.files import iter_image_features
 
     rng = np.random.default_rng(0)
@@ -143,8 +143,8 @@ def test_train_reports_where_its_time_went(tmp_path):
 
 
 def test_index_precision_auto_is_bf16_only_where_bf16_is_native(monkeypatch):
-    import clip_mini.devices as devices
-    from clip_mini.cli import build_parser
+    import clip_mini.runtime.devices as devices
+    from clip_mini.cli.main import build_parser
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(devices, "_cpu_flags", lambda: {"avx512f", "avx2"})   # bf16 emulated: slower than fp32

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from clip_mini.config import TextConfig
-from clip_mini.text import (MINILM, TextEncoder, build_tokenizer, load_tokenizer, minilm_dir, minilm_to_distilbert,
+from clip_mini.model.text import (MINILM, TextEncoder, build_tokenizer, load_tokenizer, minilm_dir, minilm_to_distilbert,
                             train_tokenizer)
 
 CAPTIONS = [
@@ -52,11 +52,11 @@ def test_cls_state_ignores_padding():
 
 def test_frozen_text_tower_has_no_trainable_params():
     from clip_mini.config import ModelConfig
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     cfg = ModelConfig(text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, trainable=False))
     model = CLIPModel.build(cfg, captions=CAPTIONS)
-    from clip_mini.model import apply_trainable
+    from clip_mini.model.clip import apply_trainable
 
     apply_trainable(model)
     assert not any(p.requires_grad for p in model.text.parameters())
@@ -93,7 +93,7 @@ def test_cls_input_zero_makes_the_cls_state_depend_on_the_caption(cls_input):
     # tiny attention read-out); cls_input="zero" ("auto" from scratch) feeds [CLS] in as a zero vector, so its first
     # attention reads the caption out.
     from clip_mini.config import ModelConfig
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     tok = train_tokenizer(CAPTIONS * 3, vocab_size=500)
     cfg = ModelConfig(text=TextConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0, pooling="cls",
@@ -116,7 +116,7 @@ def test_cls_input_zero_makes_the_cls_state_depend_on_the_caption(cls_input):
 
 @pytest.mark.parametrize("n_layers, pretrained, zeroed", [(2, None, True), (1, None, False), (2, "some/dir", False)])
 def test_cls_input_auto_zeroes_only_a_from_scratch_tower_of_two_or_more_blocks(n_layers, pretrained, zeroed):
-    from clip_mini.text import TextEncoder
+    from clip_mini.model.text import TextEncoder
 
     enc = TextEncoder(TextConfig(dim=64, n_layers=n_layers, n_heads=4, hidden_dim=128, pretrained=pretrained), 100)
     ids = torch.tensor([[2, 7, 8, 3]])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clip_mini.config import ModelConfig, TextConfig, VisionConfig
-from clip_mini.model import CLIPModel
+from clip_mini.model.clip import CLIPModel
 from clip_mini.train import text_cache
 
 
@@ -16,7 +16,7 @@ def _model():
     torch.manual_seed(0)
     cfg = ModelConfig(vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=1, heads=2),
                       text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, dropout=0.1, trainable=False))
-    from clip_mini.text import build_tokenizer
+    from clip_mini.model.text import build_tokenizer
 
     caps = ["a red circle", "a big blue square on the left", "a green triangle", "a red circle"]
     tok = build_tokenizer(TextConfig(vocab_size=60), caps)

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from clip_mini import text as text_mod
-from clip_mini.text import count_truncated, load_tokenizer, report_truncation, train_tokenizer
+from clip_mini.model import text as text_mod
+from clip_mini.model.text import count_truncated, load_tokenizer, report_truncation, train_tokenizer
 
 CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a big yellow star"]
 

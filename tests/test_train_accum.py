@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from clip_mini.config import load_config
-from clip_mini.loss import ClipLoss, SigLipLoss
-from clip_mini.model import CLIPModel
+from clip_mini.model.loss import ClipLoss, SigLipLoss
+from clip_mini.model.clip import CLIPModel
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.optim import build_optimizer
 
@@ -162,7 +162,7 @@ def _ddp_worker(rank: int, world: int, store: str, out: str, compiled: bool = Fa
             loss = forward_backward(ddp, _split(shard, accum), ClipLoss(), torch.device("cpu"))
             torch.save({"loss": loss, "grads": _grads(model)}, f"{out}.captions{accum}.{rank}")
         if compiled:   # train.compile: the DDP module through torch.compile (no_sync passed through)
-            from clip_mini.compile_pass import CompiledStep
+            from clip_mini.model.layers.compile_pass import CompiledStep
 
             shard = _split(_batch(16), world)[rank]
             for accum in (1, 2):

@@ -1,4 +1,4 @@
-"""train.compile: the training step's forward and backward through torch.compile (clip_mini/compile_pass.py,
+"""train.compile: the training step's forward and backward through torch.compile (clip_mini/model/layers/compile_pass.py,
 ``CompiledStep``) give the eager step's loss and gradients within float tolerance (inductor fuses and reorders the
 element-wise work, so not bitwise), keep accumulation equal to one big batch and dropout's masks replayed in the
 re-forward, fall back to eager with a warning when compiling fails, and run inside ``train``."""
@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from clip_mini.compile_pass import CompiledStep
-from clip_mini.loss import ClipLoss
+from clip_mini.model.layers.compile_pass import CompiledStep
+from clip_mini.model.loss import ClipLoss
 from clip_mini.train.accum import FeatureModel, forward_backward
 
 from test_compile_pass import needs_compiler

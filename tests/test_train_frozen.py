@@ -140,7 +140,7 @@ def test_training_on_precomputed_features_learns_and_resumes_bitwise(shapes, tmp
     train(_cfg(shapes, run, *extra), resume="auto")
     _assert_same_weights(_weights(tmp_path / "ref"), _weights(run))
     # the saved model embeds images through the (locked) tower: its image side matches the precomputed path
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     model = CLIPModel.from_pretrained(run / "final").eval()
     feats = frozen_io.load_or_compute(model, _cfg(shapes, run, *extra), load_splits(_cfg(shapes, run, *extra),

@@ -12,7 +12,7 @@ from clip_mini.data import build_eval_transform, load_image
 from clip_mini.train import frozen as frozen_io
 from clip_mini.train import train
 from clip_mini.train.optim import build_optimizer, freeze_towers, set_train_mode
-from clip_mini.vision import ImageEncoder
+from clip_mini.model.vision import ImageEncoder
 
 from test_train_frozen import _model
 from test_train_loop import TINY, _assert_same_weights, _rows, _weights, shapes  # noqa: F401 (fixture)
@@ -173,8 +173,8 @@ def test_val_features_run_the_current_last_blocks(shapes, tmp_path):
 
 @pytest.mark.slow
 def test_training_last_block_learns_resumes_bitwise_and_eval_matches_pixels(shapes, tmp_path, capsys):
-    from clip_mini.cli import main
-    from clip_mini.model import CLIPModel
+    from clip_mini.cli.main import main
+    from clip_mini.model.clip import CLIPModel
 
     # bf16, as the flickr8k-vit config runs: a bf16 token store, the steps under autocast; pause and resume
     extra = ["train.frozen_features=2", "train.epochs=2", "train.accum_freq=2", "train.batch_size=8",

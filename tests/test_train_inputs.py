@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from clip_mini.config import load_config
-from clip_mini.text import train_tokenizer
+from clip_mini.model.text import train_tokenizer
 from clip_mini.train.inputs import build_train_inputs, load_splits
 
 

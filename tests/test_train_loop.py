@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import clip_mini
 from clip_mini.config import ConfigError, load_config
-from clip_mini.model import read_manifest
+from clip_mini.model.clip import read_manifest
 from clip_mini.train import TrainError, train
 from clip_mini.train.checkpoint import CheckpointError, load_checkpoint, read_index
 
@@ -144,7 +144,7 @@ def test_resume_from_a_checkpoint_path_into_a_new_folder_and_config_mismatch(sha
 
 
 def test_non_finite_steps_are_skipped_then_training_stops(shapes, tmp_path, monkeypatch):
-    import clip_mini.loss as loss_mod
+    import clip_mini.model.loss as loss_mod
 
     real, calls = loss_mod.clip_loss, {"n": 0}
 
@@ -232,7 +232,7 @@ FLICKR8K = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k"
 @pytest.mark.flickr8k
 @pytest.mark.skipif(not (FLICKR8K / "captions.csv").is_file(), reason="needs ../shared/data/flickr8k")
 def test_flickr8k_config_trains_lit_style_on_real_photos(tmp_path):
-    from clip_mini.vision import efficientnet_lite0_pypi_state
+    from clip_mini.model.vision import efficientnet_lite0_pypi_state
 
     run = tmp_path / "flickr"
     cfg = load_config(ROOT / "configs/flickr8k.yaml", [
@@ -250,13 +250,13 @@ def test_flickr8k_config_trains_lit_style_on_real_photos(tmp_path):
     for name, tensor in pretrained.items():
         if not name.endswith("num_batches_tracked"):
             assert torch.equal(weights[f"visual.trunk.{name}"], tensor), name
-    from clip_mini.dinov2_onnx import load_state
+    from clip_mini.model.dinov2_onnx import load_state
 
     assert model.visual.width == 1280 + 5 * 384   # EfficientNet + DINOv2 [last 4 blocks' CLS ; patch mean]
     for name, tensor in load_state().items():
         if name != "pos_embed":   # resampled from 518 px to 224 px
             assert torch.equal(weights[f"visual.concat.trunk.{name}"], tensor), name
-    from clip_mini.text import minilm_dir, minilm_to_distilbert
+    from clip_mini.model.text import minilm_dir, minilm_to_distilbert
 
     start = minilm_to_distilbert(minilm_dir())
     moved = [n for n, t in start.items() if not torch.equal(weights[f"text.bert.{n}"], t)]

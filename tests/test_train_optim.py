@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from clip_mini.config import ConfigError, load_config
-from clip_mini.model import CLIPModel
+from clip_mini.model.clip import CLIPModel
 from clip_mini.train.build import check_train_config
-from clip_mini.train.cli import main
+from clip_mini.cli.train import main
 from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, param_groups, set_lr, set_train_mode
 
 TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",

@@ -3,8 +3,8 @@ import numpy as np
 import torch
 
 from clip_mini.config import TextConfig, load_config
-from clip_mini.model import CLIPModel
-from clip_mini.text import TextEncoder, train_tokenizer
+from clip_mini.model.clip import CLIPModel
+from clip_mini.model.text import TextEncoder, train_tokenizer
 
 CAPTIONS = ["a red circle", "a small blue square at the top", "a green star left of a yellow triangle"]
 

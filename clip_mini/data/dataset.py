@@ -49,7 +49,7 @@ def load_table(cfg: DataConfig, report_dir: Optional[str | Path] = None, progres
             f"{len(bad)} bad images ({n_rows - len(df)} captions) and {len(skipped)} empty captions")
     rows = list(bad.items()) + skipped
     if report_dir is not None and rows:
-        from clip_mini.io import atomic_path
+        from clip_mini.fileio.atomic import atomic_path
 
         with atomic_path(Path(report_dir) / "skipped.csv") as tmp:
             pd.DataFrame(rows, columns=["path", "reason"]).to_csv(tmp, index=False)

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Sequence, Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from clip_mini.bounded_read import UnreadableFileError, read_file, read_files
+from clip_mini.fileio.bounded_read import UnreadableFileError, read_file, read_files
 from clip_mini.errors import ClipMiniError
 
 # 64 MP: far above any photo a CLIP pipeline needs, far below what would exhaust memory when decoded (~200 MB).

@@ -17,7 +17,7 @@ from typing import Optional
 
 import pandas as pd
 
-from clip_mini.bounded_read import UnreadableFileError, read_file
+from clip_mini.fileio.bounded_read import UnreadableFileError, read_file
 from clip_mini.errors import ClipMiniError
 
 COLUMNS = ["path", "image", "caption", "image_id"]

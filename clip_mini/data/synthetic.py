@@ -128,7 +128,7 @@ def generate(out: str | Path, n: int, seed: int = 0, size: int = 64) -> Path:
         seed: generator seed; the same seed gives byte-identical files.
         size: image side in pixels.
     """
-    from clip_mini.io import atomic_dir
+    from clip_mini.fileio.atomic import atomic_dir
 
     out = Path(out)
     if n < 1 or size < 16:

@@ -22,11 +22,11 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from clip_mini.data.images import ImageError
 from clip_mini.data.readers import DataError
+from clip_mini.data.steps import step_batches
 from clip_mini.data.webdataset import Sample, SkipLog, decode_image, expand_shards, iter_shard, shard_identity_of
 
 CAPTION_SAMPLE = 50_000   # captions read for the tokenizer and the truncation report (the stream has no table)
@@ -147,15 +147,7 @@ class WdsTrainInputs:
         plan = plan_streams(n_micro, first, self.n_streams, self.micro_batch)
         ds = ShardStream(self.shards, self.augment, self.seed, epoch, self.rank, self.world, self.n_streams, plan,
                          first % self.n_streams, self.micro_batch, self.shuffle_buffer)
-        loader = DataLoader(ds, batch_size=self.micro_batch, collate_fn=self.collate, num_workers=self.workers,
-                            generator=torch.Generator().manual_seed(epoch), pin_memory=torch.cuda.is_available(),
-                            prefetch_factor=4 if self.workers else None)
-        step = []
-        for batch in loader:
-            step.append(batch)
-            if len(step) == self.accum_freq:
-                yield step
-                step = []
+        yield from step_batches(ds, self.collate, self.workers, epoch, self.accum_freq, batch_size=self.micro_batch)
 
 
 # -- the tables the trainer needs beside the stream: a caption sample (tokenizer) and the validation split ----------
@@ -207,7 +199,7 @@ def split_shards(data) -> tuple[list[str], list[str]]:
 
 def _extract_val(val: list[str], data, log: SkipLog) -> pd.DataFrame:
     from clip_mini.data.cache import default_cache_dir
-    from clip_mini.io import atomic_dir
+    from clip_mini.fileio.atomic import atomic_dir
 
     ident = json.dumps([(u, *shard_identity_of(u)) for u in val])
     root = Path(data.cache_dir) if data.cache_dir else default_cache_dir()

@@ -208,7 +208,7 @@ class SkipLog:
     def write_csv(self, path) -> None:
         import csv
 
-        from clip_mini.io import atomic_write_text
+        from clip_mini.fileio.atomic import atomic_write_text
 
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")

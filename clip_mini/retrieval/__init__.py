@@ -18,5 +18,5 @@ Imports run one way (each module imports only those above it)::
     engine   QueryEngine: query embeddings (text or image) from a model directory, loaded once
     index    EmbeddingIndex: the public class on top of all of them
 
-The CLI (``clip_mini.commands``) and ``clip-mini serve`` sit on top; nothing here imports the trainer.
+The CLI (``clip_mini.cli.main``) and ``clip-mini serve`` sit on top; nothing here imports the trainer.
 """

@@ -23,12 +23,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from clip_mini.bounded_read import sha256_regular_files
-from clip_mini.io import atomic_path, atomic_write_json, atomic_write_text
+from clip_mini.fileio.bounded_read import sha256_regular_files
+from clip_mini.fileio.atomic import atomic_path, atomic_write_json, atomic_write_text
 from clip_mini.retrieval.files import iter_image_features
 from clip_mini.retrieval.format import (EmbeddingIndexError, commit, current_generation, in_shard, shard_dir,
                                         writer_lock)
-from clip_mini.retrieval.onnx_export import export_if_missing
+from clip_mini.model.onnx_export import export_if_missing
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.rows import DTYPES, BF16Rows, encode, numpy_dtype, storage_dtype
 
@@ -165,7 +165,7 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
             old.check_model(embedder.fingerprint, "the model used for indexing")
         rows, todo, skipped = _plan(old, images, captions, prune, progress)
         work = _Work(path, embedder.fingerprint)
-        from clip_mini.devices import default_workers   # torch: only on the embedding path
+        from clip_mini.runtime.devices import default_workers   # torch: only on the embedding path
 
         workers = default_workers(workers, embedder.device)
         _embed_missing(embedder, todo, work, batch_size, workers, precision, flush_every, progress)

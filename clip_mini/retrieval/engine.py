@@ -13,8 +13,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from clip_mini.manifest import read_manifest
+from clip_mini.fileio.manifest import read_manifest
 from clip_mini.retrieval.query import QUERY_FILES, ImageQueryEncoder, TextQueryEncoder
+from clip_mini.retrieval.rows import unit_rows
 
 
 class QueryEngine:
@@ -41,19 +42,16 @@ class QueryEngine:
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
         if self._text is None:
             self._text = TextQueryEncoder.load(self.model_dir)
-        return _unit_rows(self._text.encode_text(list(texts)))
+        return unit_rows(self._text.encode_text(list(texts)))
 
     def encode_image(self, images: Sequence[Any]) -> np.ndarray:
         """Images as paths, encoded bytes, PIL images or arrays (decoded and preprocessed like the eval transform)."""
         if self._image is None:
             self._image = ImageQueryEncoder.load(self.model_dir)
-        return _unit_rows(self._image.encode_image(list(images)))
+        return unit_rows(self._image.encode_image(list(images)))
 
     def check_index(self, index, name: Optional[str] = None) -> None:
         """Refuse an index built by another model."""
         index.check_model(self.fingerprint, name or f"model {self.model_dir}")
 
 
-def _unit_rows(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)

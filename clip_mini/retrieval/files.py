@@ -1,6 +1,6 @@
 """Image files: finding them in a folder, and embedding them in batches with a progress bar.
 
-Shared by index builds (``clip_mini.retrieval.build``) and zero-shot evaluation (``clip_mini.model_eval``).
+Shared by index builds (``clip_mini.retrieval.build``) and zero-shot evaluation (``clip_mini.eval.scoring``).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
     from tqdm import tqdm
 
     from clip_mini.data import ImageDataset, ImageError, build_eval_transform, collate_images, load_image
-    from clip_mini.model import ImageForward
+    from clip_mini.model.clip import ImageForward
 
     if precision not in ("fp32", "bf16", "fp16"):
         raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")

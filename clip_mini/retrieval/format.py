@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from clip_mini.errors import ClipMiniError
-from clip_mini.io import atomic_write_json, atomic_write_text, sha256_file
+from clip_mini.fileio.atomic import atomic_write_json, atomic_write_text, sha256_file
 from clip_mini.retrieval.rows import storage_dtype, wrap
 
 # 2: item paths are relative to the manifest's "root" (the indexed folder, recorded once), so a folder moved or
@@ -154,7 +154,7 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
     ``faiss_auto``), then atomically replaces the manifest; finally removes
     data files older than the previous generation. Must run under ``writer_lock``. Returns the new manifest.
     """
-    from clip_mini import __version__
+    from clip_mini.version import __version__
 
     emb_name, items_name = f"embeddings-{generation}.npy", f"items-{generation}.csv"
     items, root = relative_items(items, path)

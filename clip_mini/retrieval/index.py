@@ -30,8 +30,6 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import numpy as np
-
 from clip_mini.retrieval.build import sync_index
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
@@ -59,38 +57,57 @@ class EmbeddingIndex(IndexReader):
         kept on the index.
         """
         single = isinstance(text, str)
-        engine = self.engine(model_dir)
-        hits = self._hits(*self.search(engine.encode_text([text] if single else list(text)), k, backend))
-        return hits[0] if single else hits
+        hits = self.hits(texts=[text] if single else list(text), k=k, model_dir=model_dir, backend=backend)
+        return [(h["path"], h["score"]) for h in hits[0]] if single else \
+            [[(h["path"], h["score"]) for h in row] for row in hits]
 
     def search_image(self, image: Any, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
                      ) -> list:
         """Ranked ``(path, score)`` for an image query (a path, PIL image or array), or one list per image for a
         list of them."""
         single = not isinstance(image, (list, tuple))
-        engine = self.engine(model_dir)
-        hits = self._hits(*self.search(engine.encode_image([image] if single else list(image)), k, backend))
-        return hits[0] if single else hits
+        hits = self.hits(images=[image] if single else list(image), k=k, model_dir=model_dir, backend=backend)
+        return [(h["path"], h["score"]) for h in hits[0]] if single else \
+            [[(h["path"], h["score"]) for h in row] for row in hits]
 
-    def engine(self, model_dir: Optional[str | Path] = None) -> QueryEngine:
-        """The query engine of ``model_dir`` (default: the index's model), loaded once and kept on the index."""
+    def hits(self, texts: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None, k: int = 10,
+             model_dir: Optional[str | Path] = None, backend: str = "auto", device: str = "cpu") -> list[list[dict]]:
+        """One ranked list per query (texts or images, not both): ``{"rank", "score", "path", "caption", "row"}``
+        dicts, best first. What ``search_text`` / ``search_image`` and ``clip-mini search`` return."""
+        if (texts is None) == (images is None):
+            raise EmbeddingIndexError("hits needs texts or images (exactly one)")
+        engine = self.engine(model_dir, device)
+        queries = engine.encode_text(list(texts)) if texts is not None else engine.encode_image(list(images))
+        scores, ids = self.search(queries, k, backend)
+        return [[{"rank": r + 1, "score": float(s), "path": self.items["path"][i],
+                  "caption": self.items["caption"][i], "row": int(i)}
+                 for r, (i, s) in enumerate((i, s) for i, s in zip(row_ids, row_scores) if i >= 0)]
+                for row_ids, row_scores in zip(ids, scores)]
+
+    def engine(self, model_dir: Optional[str | Path] = None, device: str = "cpu") -> QueryEngine:
+        """The query engine of ``model_dir`` (default: the index's model), loaded once and kept on the index.
+        ``device`` is where an image query's tower runs (a text query runs torch-free)."""
         model_dir = self._model_dir(model_dir)
         engines = self.__dict__.setdefault("_engines", {})
-        if model_dir not in engines:
-            engine = QueryEngine.load(model_dir)
+        if (model_dir, device) not in engines:
+            engine = QueryEngine.load(model_dir, device=device)
             engine.check_index(self)
-            engines[model_dir] = engine
-        return engines[model_dir]
+            engines[(model_dir, device)] = engine
+        return engines[(model_dir, device)]
 
     def _model_dir(self, model_dir: Optional[str | Path]) -> Path:
-        model_dir = model_dir or self.manifest.get("model_dir")
+        if model_dir:
+            if not Path(model_dir).is_dir():
+                raise EmbeddingIndexError(f"model directory {model_dir} not found")
+            return Path(model_dir)
+        model_dir = self.manifest.get("model_dir")
         if not model_dir:
-            raise EmbeddingIndexError(f"index {self.path} does not record its model: pass model_dir")
+            raise EmbeddingIndexError(f"index {self.path} does not record its model: pass a model directory "
+                                      "(--model DIR)")
+        if not Path(model_dir).is_dir():
+            raise EmbeddingIndexError(f"model directory {model_dir} (used to build {self.path}) is gone: "
+                                      "pass another model directory (--model DIR)")
         return Path(model_dir)
-
-    def _hits(self, scores: np.ndarray, ids: np.ndarray) -> list[list[tuple[str, float]]]:
-        return [[(self.items["path"][i], float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
-                for row_ids, row_scores in zip(ids, scores)]
 
     # -- writing (see build and shards) ---------------------------------------------------------
     @classmethod
@@ -123,9 +140,9 @@ class EmbeddingIndex(IndexReader):
 
 def _embedder(model, kwargs: dict):
     if isinstance(model, (str, os.PathLike)):
-        import clip_mini
+        from clip_mini.embed import load
 
-        return clip_mini.load(model, batch_size=kwargs.get("batch_size", 64)), {"model_dir": str(model), **kwargs}
+        return load(model, batch_size=kwargs.get("batch_size", 64)), {"model_dir": str(model), **kwargs}
     if getattr(model, "model_dir", None) is not None:   # a loaded Embedder knows where it came from
         kwargs = {"model_dir": model.model_dir, **kwargs}
     return model, kwargs

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from clip_mini.io import sha256_file
-from clip_mini.manifest import ModelDirError, read_json, read_manifest
-from clip_mini.retrieval.onnx_export import ensure_onnx
+from clip_mini.fileio.atomic import sha256_file
+from clip_mini.fileio.manifest import ModelDirError, read_json, read_manifest
+from clip_mini.model.onnx_export import ensure_onnx
 
 QUERY_FILES = ("config.json", "tokenizer.json", "preprocess.json")   # what the query path reads besides ONNX
 

@@ -53,12 +53,12 @@ class EmbedActor:
     def __init__(self, model_dir: str, precision: str):
         import torch
 
-        import clip_mini
+        from clip_mini.embed import load
 
         torch.set_num_threads(1)   # one core per actor: the pool, not threads, spreads the work
-        from clip_mini.model import ImageForward
+        from clip_mini.model.clip import ImageForward
 
-        self.embedder = clip_mini.load(model_dir)
+        self.embedder = load(model_dir)
         self.forward = ImageForward(self.embedder.model, precision, self.embedder.device)
 
     def __call__(self, batch: dict) -> dict:

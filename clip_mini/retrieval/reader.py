@@ -10,9 +10,9 @@ from typing import Optional
 
 import numpy as np
 
-from clip_mini.checksums import known_sha256
+from clip_mini.fileio.checksums import known_sha256
 from clip_mini.retrieval.format import EmbeddingIndexError, absolute_items, read_items, read_manifest
-from clip_mini.retrieval.rows import DTYPES, numpy_dtype, wrap
+from clip_mini.retrieval.rows import DTYPES, numpy_dtype, unit_rows, wrap
 
 _OPEN_RETRIES = 5
 
@@ -51,7 +51,7 @@ class IndexReader:
         Args:
             path: index directory.
             verify: check the sha256 of every data file against the manifest (each file is hashed once while it
-                is unchanged: ``clip_mini.checksums``).
+                is unchanged: ``clip_mini.fileio.checksums``).
 
         Raises:
             EmbeddingIndexError: missing directory or files, corrupt manifest or data, unknown format version.
@@ -169,4 +169,4 @@ def _unit_queries(queries, dim: int) -> np.ndarray:
         row = int(np.flatnonzero(bad.reshape(-1))[0])
         raise EmbeddingIndexError(f"query row {row} is {'all zeros' if norms.reshape(-1)[row] == 0 else 'not finite'}:"
                                   " it has no direction to search for")
-    return q / norms
+    return unit_rows(q)

@@ -86,3 +86,10 @@ def numpy_dtype(dtype: str) -> np.dtype:
 def encode(block: np.ndarray, dtype: str) -> np.ndarray:
     """Rows (any float dtype) in a storage dtype: float16, or bfloat16 bits (uint16)."""
     return f32_to_bf16_bits(block) if numpy_dtype(dtype) == np.uint16 else np.asarray(block, dtype=np.float16)
+
+
+def unit_rows(x) -> np.ndarray:
+    """Rows as float32 scaled to unit L2 length (a zero row stays zero): the one normaliser of query and class
+    embeddings outside torch."""
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)

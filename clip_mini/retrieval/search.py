@@ -472,7 +472,7 @@ def faiss_search(index, queries: np.ndarray, k: int = 10, dim: int | None = None
 
 
 def save_faiss(index, path: str | Path) -> None:
-    from clip_mini.io import atomic_write_with
+    from clip_mini.fileio.atomic import atomic_write_with
 
     faiss = _faiss()
     atomic_write_with(path, lambda tmp: faiss.write_index(index, str(tmp)))

@@ -5,7 +5,7 @@
     clip-mini index --out IDX --merge                              # IDX/shards/*-of-2 -> IDX
 
 A file's shard is ``crc32(path) % n`` (``format.in_shard``): stable as the folder grows, so each shard index stays incremental. Under
-``torchrun`` the rank and world size pick the shard and rank 0 merges (see ``clip_mini.commands``).
+``torchrun`` the rank and world size pick the shard and rank 0 merges (see ``clip_mini.cli.main``).
 """
 from __future__ import annotations
 

@@ -21,14 +21,14 @@ import numpy as np
 
 from clip_mini.data.readers import DataError
 from clip_mini.data.webdataset import SkipLog, decode_image, iter_shard, read_member, shard_identity_of
-from clip_mini.io import atomic_path, atomic_write_json
+from clip_mini.fileio.atomic import atomic_path, atomic_write_json
 from clip_mini.retrieval.build import _write_skipped, faiss_kind, read_work_json, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.rows import storage_dtype
 
 if TYPE_CHECKING:   # the query path imports this module and must not pull in torch
-    from clip_mini.model import ImageForward
+    from clip_mini.model.clip import ImageForward
 
 ROW_FIELDS = ("shard", "size", "mtime_ns", "key", "caption", "offset", "length", "sha256")
 
@@ -115,7 +115,7 @@ def embed_local(embedder, shards: Sequence[str], parts: Parts, batch_size: int, 
     """Embed each shard in this process; one part per shard (a kill loses at most the shard being read)."""
     from tqdm import tqdm
 
-    from clip_mini.model import ImageForward
+    from clip_mini.model.clip import ImageForward
 
     forward = ImageForward(embedder.model, precision, embedder.device)
     for url in tqdm(shards, desc="embedding shards", unit="shard", disable=not progress):
@@ -179,7 +179,7 @@ def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: 
             (embed or (lambda todo, p: embed_local(embedder, todo, p, batch_size, precision, progress)))(
                 pending, parts)
         if model_dir and hasattr(embedder, "model"):   # as sync_index: queries on this index then run without torch
-            from clip_mini.retrieval.onnx_export import export_if_missing
+            from clip_mini.model.onnx_export import export_if_missing
 
             export_if_missing(embedder.model, model_dir)
         rows, plan, skipped = _assemble(old, kept, parts, ids)

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from clip_mini.bounded_read import UnreadableFileError, read_file
+from clip_mini.fileio.bounded_read import UnreadableFileError, read_file
 from clip_mini.data.images import DEFAULT_MAX_FILE_BYTES, ImageError, load_image
 
 THUMB_PX = 256
@@ -100,9 +100,9 @@ class AttentionRenderer:
     def _model(self):
         with self._lock:
             if self._embedder is None:
-                import clip_mini
+                from clip_mini.embed import load
 
-                self._embedder = clip_mini.load(self.model_dir, device=self.device)
+                self._embedder = load(self.model_dir, device=self.device)
         return self._embedder
 
     def unavailable(self) -> Optional[str]:
@@ -111,8 +111,8 @@ class AttentionRenderer:
         return None if backbone == "vit" else f"attention maps need a ViT image tower; this model uses {backbone}"
 
     def png(self, path: str, size: int = 448) -> bytes:
-        from clip_mini.attention import attention_map
-        from clip_mini.viz import overlay_image
+        from clip_mini.model.attention import attention_map
+        from clip_mini.pictures.draw import overlay_image
 
         embedder = self._model()
         image = load_image(path)

@@ -9,7 +9,7 @@ or the same flags after ``clip-mini train``; ``torchrun --nproc_per_node=N train
 """
 from clip_mini.train.build import TrainError
 from clip_mini.train.checkpoint import CheckpointError, load_checkpoint
-from clip_mini.evaluation import evaluate_model
+from clip_mini.eval.validation import evaluate_model
 from clip_mini.train.loop import train
 
 __all__ = ["train", "evaluate_model", "TrainError", "CheckpointError", "load_checkpoint"]

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from clip_mini.precision import autocast  # noqa: F401  (re-exported: the trainer's modules import it here)
+from clip_mini.runtime.precision import autocast  # noqa: F401  (re-exported: the trainer's modules import it here)
 
 Batch = dict[str, torch.Tensor]
 

@@ -90,7 +90,7 @@ def prepare_tokenizer(cfg: Config, run: Path, train_captions: list[str], ckpt_pa
         src = Path(ckpt_path).resolve().parent.parent / "tokenizer"
         if not src.is_dir():
             raise TrainError(f"cannot resume from {ckpt_path}: the tokenizer it was trained with ({src}) is missing")
-        from clip_mini.io import atomic_dir
+        from clip_mini.fileio.atomic import atomic_dir
 
         with atomic_dir(out) as tmp:
             for f in src.iterdir():
@@ -100,8 +100,8 @@ def prepare_tokenizer(cfg: Config, run: Path, train_captions: list[str], ckpt_pa
 
 def save_tokenizer(cfg: Config, train_captions: list[str], out_dir: Path) -> None:
     """Build the run's tokenizer (WordPiece on the TRAIN captions, or MiniLM's vocab) and save it atomically."""
-    from clip_mini.io import atomic_dir
-    from clip_mini.text import build_tokenizer
+    from clip_mini.fileio.atomic import atomic_dir
+    from clip_mini.model.text import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.model.text, train_captions)
     with atomic_dir(out_dir) as tmp:
@@ -114,18 +114,7 @@ def build_model(cfg: Config, tokenizer_dir: Path, load_pretrained: bool = True):
     Every rank, and a resumed run, reads the same saved tokenizer, so token ids never depend on retraining
     WordPiece (whose tie-breaking is not guaranteed to be stable).
     """
-    from clip_mini.model import CLIPModel
-    from clip_mini.text import load_tokenizer
+    from clip_mini.model.clip import CLIPModel
+    from clip_mini.model.text import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_dir)
-    model = CLIPModel(cfg.model, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                      tokenizer=tokenizer)
-    # data.resize_mode is part of the model's preprocessing: the train and eval transforms, the image cache and
-    # the saved preprocess.json all read model.preprocess
-    model.preprocess = model.visual.preprocess = dataclasses.replace(model.preprocess,
-                                                                     resize_mode=cfg.data.resize_mode)
-    if load_pretrained and cfg.model.vision.pretrained:
-        model.visual.load_pretrained(cfg.model.vision.pretrained)
-    if load_pretrained and cfg.model.text.pretrained:
-        model.text.load_pretrained(cfg.model.text.pretrained)
-    return model
+    return CLIPModel.build(cfg.model, load_pretrained=load_pretrained, tokenizer=load_tokenizer(tokenizer_dir))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from clip_mini.errors import ClipMiniError
-from clip_mini.io import atomic_write_json, atomic_write_with, sha256_file
+from clip_mini.fileio.atomic import atomic_write_json, atomic_write_with, sha256_file
 
 FORMAT_VERSION = 1
 INDEX = "latest.json"

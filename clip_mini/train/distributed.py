@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from clip_mini.devices import enable_tf32
+from clip_mini.runtime.devices import enable_tf32
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from clip_mini.config import Config, PreprocessConfig
-from clip_mini.devices import loader_workers
+from clip_mini.runtime.devices import loader_workers
 from clip_mini.train.accum import autocast
 
 FORMAT = 3   # 2: under bf16 the pass runs a bf16-weight copy of the tower (vision.inference_tower); 3: BatchNorm folded
@@ -129,11 +129,11 @@ class TowerPass:
 
     Under bf16 a bf16-weight copy (``vision.inference_tower``: 1.1x to 4x the images/s of autocast) run as it is;
     ``blocks = k > 0``: the token states before the last ``k`` blocks; ``compile``: through ``torch.compile``
-    (``clip_mini.compile_pass``: one compilation for every view and batch, eager if compiling fails).
+    (``clip_mini.model.layers.compile_pass``: one compilation for every view and batch, eager if compiling fails).
     """
 
     def __init__(self, model, precision: str, blocks: int = 0, compile: bool = False):
-        from clip_mini.vision import inference_tower, pixel_dtype
+        from clip_mini.model.vision import inference_tower, pixel_dtype
 
         model.visual.eval()
         self.tower = inference_tower(model.visual, precision)
@@ -141,12 +141,12 @@ class TowerPass:
         self.input_dtype = pixel_dtype(self.tower)   # the eval view's pixels can come in it
         self.run = (lambda x: self.tower.forward_prefix(x, blocks)) if blocks else self.tower
         if compile:
-            from clip_mini.compile_pass import CompiledPass
+            from clip_mini.model.layers.compile_pass import CompiledPass
 
             self.run = CompiledPass(self.run, "the frozen-feature pass")
 
     def __call__(self, pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
-        from clip_mini.vision import tower_input
+        from clip_mini.model.vision import tower_input
 
         with autocast(device, self.cast):
             return self.run(tower_input(self.tower, pixels.to(device, non_blocking=True)))
@@ -180,7 +180,7 @@ def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, devic
 
 
 def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    from clip_mini.io import read_keyed_tensors
+    from clip_mini.fileio.atomic import read_keyed_tensors
 
     got = read_keyed_tensors(path, key, ("features", "ok"))
     if got is None:
@@ -200,7 +200,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
         memory-mapped from their files (a stored view is never loaded whole).
     """
     from clip_mini.data import build_eval_transform
-    from clip_mini.io import write_keyed_tensors
+    from clip_mini.fileio.atomic import write_keyed_tensors
 
     paths = split_paths(df)
     blocks = token_blocks(cfg)

@@ -16,11 +16,12 @@ from typing import Iterator, Optional
 import numpy as np
 import pandas as pd
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from clip_mini.config import Config, PreprocessConfig
 from clip_mini.data.dataset import load_splits as load_table_splits
-from clip_mini.devices import loader_workers
+from clip_mini.data.steps import step_batches
+from clip_mini.runtime.devices import loader_workers
 
 
 def load_splits(cfg: Config, report_dir=None, progress: bool = True) -> dict[str, pd.DataFrame]:
@@ -100,17 +101,7 @@ class TrainInputs:
                  for s in range(start_step * per_step, self.steps_per_epoch * per_step, self.micro_batch)]
         if not micro:
             return
-        # A private generator: DataLoader draws a base seed per iterator, which must not move the global RNG
-        # (a resumed epoch creates its iterator at a different point of the stream).
-        loader = DataLoader(self.dataset, batch_sampler=micro, collate_fn=self.collate, num_workers=self.workers,
-                            generator=torch.Generator().manual_seed(epoch), pin_memory=torch.cuda.is_available(),
-                            prefetch_factor=4 if self.workers else None)
-        step = []
-        for batch in loader:
-            step.append(batch)
-            if len(step) == self.accum_freq:
-                yield step
-                step = []
+        yield from step_batches(self.dataset, self.collate, self.workers, epoch, self.accum_freq, batch_sampler=micro)
 
 
 def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tokenizer, max_length: int,

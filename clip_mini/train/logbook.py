@@ -1,6 +1,6 @@
 """Run records: ``metrics.jsonl`` (one JSON object per line), ``curves.png`` and the end-of-run summary table.
 
-Rows (the contract ``clip_mini.viz.plot_curves`` reads):
+Rows (the contract ``clip_mini.pictures.draw.plot_curves`` reads):
 
 * ``{"kind": "step", "step", "epoch", "loss", "lr", "logit_scale", "grad_norm", "pairs_per_s", "data_wait"}``
   every ``train.log_every`` steps (``loss`` averaged over those steps; ``data_wait`` is the fraction of the
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from clip_mini.io import atomic_path, atomic_write_text
+from clip_mini.fileio.atomic import atomic_path, atomic_write_text
 
 METRIC_NAMES = ("loss", "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr",
                 "rsum")
@@ -73,8 +73,8 @@ class MetricsLog:
 
 
 def write_curves(rows: list[dict], out_png: str | Path) -> None:
-    """Plot loss and recall curves via ``clip_mini.viz.plot_curves``, written atomically."""
-    from clip_mini.viz import plot_curves
+    """Plot loss and recall curves via ``clip_mini.pictures.draw.plot_curves``, written atomically."""
+    from clip_mini.pictures.draw import plot_curves
 
     with atomic_path(out_png, suffix=".png") as tmp:
         plot_curves(rows, tmp)

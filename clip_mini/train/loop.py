@@ -18,16 +18,16 @@ import torch
 from tqdm import tqdm
 
 from clip_mini.config import Config, save_config
-from clip_mini.devices import loader_workers
-from clip_mini.loss import ClipLoss, SigLipLoss
-from clip_mini.text import report_truncation
+from clip_mini.runtime.devices import loader_workers
+from clip_mini.model.loss import ClipLoss, SigLipLoss
+from clip_mini.model.text import report_truncation
 from clip_mini.train import checkpoint as ckpt_io
 from clip_mini.train import text_cache
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
                                    warn_config_changes)
 from clip_mini.train.distributed import all_min, barrier, cleanup, default_threads, init_distributed
-from clip_mini.evaluation import evaluate_model
+from clip_mini.eval.validation import evaluate_model
 from clip_mini.train.inputs import build_train_inputs, load_splits, make_image_cache
 from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_table, write_curves
 from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, set_lr, set_train_mode
@@ -94,7 +94,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         features = torch.nn.parallel.DistributedDataParallel(
             features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     if t.compile:
-        from clip_mini.compile_pass import CompiledStep
+        from clip_mini.model.layers.compile_pass import CompiledStep
 
         features = CompiledStep(features)
     loss_fn = SigLipLoss() if t.loss == "siglip" else ClipLoss(t.label_smoothing)
@@ -246,7 +246,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
               "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
               "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0)}
     if main:   # where this process's minutes went, for the user and benchmarks/bench_e2e.py (one file per process)
-        from clip_mini.io import atomic_write_json
+        from clip_mini.fileio.atomic import atomic_write_json
 
         atomic_write_json(run / "summary.json", {k: v for k, v in result.items() if k != "run_dir"})
     return result

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from clip_mini.precision import autocast
+from clip_mini.runtime.precision import autocast
 
 FORMAT = 1   # of the stored rows' key
 
@@ -116,7 +116,7 @@ def rows_key(model, distinct: list[str], precision: str) -> str:
 
 
 def _read_rows(path: Path, key: str, n: int, width: int) -> Optional[torch.Tensor]:
-    from clip_mini.io import read_keyed_tensors
+    from clip_mini.fileio.atomic import read_keyed_tensors
 
     got = read_keyed_tensors(path, key, ("rows",))
     rows = None if got is None else got["rows"]
@@ -127,7 +127,7 @@ def load_or_compute_rows(model, captions: Sequence[str], batch_size: int, device
                          path: Path, progress: bool = True, write: bool = True) -> tuple[dict[str, int], torch.Tensor]:
     """``text_tower_rows``, read from ``path`` when its key matches, else computed (and stored there if
     ``write``)."""
-    from clip_mini.io import write_keyed_tensors
+    from clip_mini.fileio.atomic import write_keyed_tensors
 
     distinct = distinct_captions(captions)
     key = rows_key(model, distinct, precision)

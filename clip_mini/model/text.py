@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 from clip_mini.config import TextConfig
-from clip_mini.dropout import register_eager_attention, swap_dropouts
+from clip_mini.model.layers.dropout import register_eager_attention, swap_dropouts
 from clip_mini.errors import ClipMiniError
-from clip_mini.kernels import fused_attention
+from clip_mini.model.layers.kernels import fused_attention
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MINILM = "minilm"
@@ -172,7 +172,7 @@ class TextEncoder(nn.Module):
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
         # torch's CPU dropout mask is slow (a single-threaded draw per element): the same distribution, cheaper
-        # (clip_mini/dropout.py), in the embeddings, the FFNs and (through the registered attention) the attention
+        # (clip_mini/model/layers/dropout.py), in the embeddings, the FFNs and (through the registered attention) the attention
         self._eager = register_eager_attention()
         swap_dropouts(self.bert)
         self.width = cfg.dim
@@ -212,7 +212,7 @@ def _zero_first_position(module, inputs, embedded: torch.Tensor) -> torch.Tensor
 
 def minilm_to_distilbert(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """Map BERT weights (MiniLM-L6 layout) onto DistilBERT parameter names."""
-    from clip_mini.vision import load_state_file
+    from clip_mini.model.vision import load_state_file
 
     model_dir = Path(model_dir)
     weights = model_dir / "model.safetensors"

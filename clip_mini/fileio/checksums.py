@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from clip_mini.io import atomic_write_json, sha256_file
+from clip_mini.fileio.atomic import atomic_write_json, sha256_file
 
 
 def cache_root() -> Path:

@@ -38,7 +38,7 @@ def convert_to_webdataset(df: pd.DataFrame, out: str | Path, shard_size: int = 1
     """
     from webdataset import TarWriter
 
-    from clip_mini.io import atomic_dir, atomic_write_json
+    from clip_mini.fileio.atomic import atomic_dir, atomic_write_json
 
     if shard_size < 1:
         raise DataError(f"--shard-size must be >= 1, got {shard_size}")

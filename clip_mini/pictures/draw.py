@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from clip_mini.io import atomic_path
+from clip_mini.fileio.atomic import atomic_path
 
 PAD, LABEL_H, TITLE_H = 6, 34, 28   # label: rank and score, then the file name
 _BG, _FG, _MISSING = (24, 24, 28), (235, 235, 235), (70, 70, 76)

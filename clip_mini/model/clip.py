@@ -15,12 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from clip_mini.config import ConfigError, ModelConfig, PreprocessConfig, TextConfig, VisionConfig, from_dict
-from clip_mini.io import atomic_dir, atomic_write_json, sha256_file
-from clip_mini.manifest import (MODEL_FILES, ModelDirError, fingerprint as _fingerprint, model_fingerprint,
+from clip_mini.fileio.atomic import atomic_dir, atomic_write_json, sha256_file
+from clip_mini.fileio.manifest import (MODEL_FILES, ModelDirError, fingerprint as _fingerprint, model_fingerprint,
                                  read_json as _read_json, read_manifest)
-from clip_mini.text import TextEncoder, build_tokenizer, load_tokenizer, resolve_text_config
-from clip_mini.precision import autocast
-from clip_mini.vision import ImageEncoder, inference_tower, pixel_dtype, tower_input
+from clip_mini.model.text import TextEncoder, build_tokenizer, load_tokenizer, resolve_text_config
+from clip_mini.runtime.precision import autocast
+from clip_mini.model.vision import ImageEncoder, inference_tower, pixel_dtype, tower_input
 
 FORMAT_VERSION = 1
 
@@ -110,9 +110,11 @@ class CLIPModel(nn.Module):
 
     # -- building -------------------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: ModelConfig, captions=None, load_pretrained: bool = True) -> "CLIPModel":
-        """Make the tokenizer (trained on ``captions`` if from scratch) and the model, loading local weights."""
-        tokenizer = build_tokenizer(cfg.text, captions)
+    def build(cls, cfg: ModelConfig, captions=None, load_pretrained: bool = True, tokenizer=None) -> "CLIPModel":
+        """The one model builder (training, tests, tools): the model around ``tokenizer`` (default: one made from
+        the config, trained on ``captions`` if from scratch), with the config's local pretrained weights loaded."""
+        if tokenizer is None:
+            tokenizer = build_tokenizer(cfg.text, captions)
         model = cls(cfg, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
         if load_pretrained and cfg.vision.pretrained:
             model.visual.load_pretrained(cfg.vision.pretrained)
@@ -127,9 +129,9 @@ class CLIPModel(nn.Module):
                               max_length=self.cfg.text.max_length, return_tensors="pt")
 
     # -- model directory ------------------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: str | Path, extra: Optional[dict] = None, onnx: bool = False) -> str:
-        """Write a complete model directory atomically; returns the fingerprint. ``onnx``: also export both towers
-        to ``onnx/`` (what torch-free queries run; otherwise made on first use, see retrieval.onnx_export)."""
+    def save_pretrained(self, out_dir: str | Path, extra: Optional[dict] = None) -> str:
+        """Write a complete model directory atomically; returns the fingerprint. The towers' ONNX export (what
+        torch-free queries run) is made by ``model.onnx_export.export_if_missing``, or on first use."""
         from safetensors.torch import save_file
 
         from clip_mini.version import __version__
@@ -149,10 +151,6 @@ class CLIPModel(nn.Module):
             fingerprint = _fingerprint(checksums)
             atomic_write_json(tmp / "manifest.json", {"format_version": FORMAT_VERSION, "files": checksums,
                                                       "fingerprint": fingerprint})
-            if onnx:
-                from clip_mini.retrieval.onnx_export import ONNX_DIR, export_onnx
-
-                export_onnx(self, tmp / ONNX_DIR, fingerprint)
         return fingerprint
 
     @classmethod

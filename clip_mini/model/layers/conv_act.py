@@ -1,6 +1,6 @@
 """Fuse a convolution and the activation after it into one oneDNN call, for the bf16 inference copy of a CNN tower.
 
-After BatchNorm folding (``clip_mini.bn_fold``), EfficientNet-Lite0's bf16 pass still swept every feature map a
+After BatchNorm folding (``clip_mini.model.layers.bn_fold``), EfficientNet-Lite0's bf16 pass still swept every feature map a
 second time for its ReLU6: a separate, memory-bound clamp, in place as timm builds it, and ATen's in-place bf16
 kernels run at about a third of the speed of its out-of-place ones on this CPU. Fusing it gave 2.15x on the bf16
 pass at 224 px (``benchmarks/bench_towers.py``, ``activation_fusion_speedup``). oneDNN

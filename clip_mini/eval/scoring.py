@@ -1,7 +1,7 @@
 """Scoring a saved model: retrieval on a dataset split, and zero-shot classification with prompt templates.
 
 The split is made by the same ``load_table`` + ``split_by_image`` calls as the trainer, from the same config, and
-scored by the trainer's ``clip_mini.evaluate`` functions, so ``clip-mini eval`` reproduces the numbers in a run's
+scored by the trainer's ``clip_mini.eval.metrics`` functions, so ``clip-mini eval`` reproduces the numbers in a run's
 ``metrics.jsonl``.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, work
 def trained_settings(model_dir: str | Path) -> dict:
     """The evaluation settings a trained model directory records (``config.json`` ``trained``): ``precision``
     and ``eval_batch_size`` where the trainer wrote them, else an empty dict (older or hand-made models)."""
-    from clip_mini.manifest import read_json
+    from clip_mini.fileio.manifest import read_json
 
     trained = read_json(Path(model_dir) / "config.json").get("trained")
     if not isinstance(trained, dict):
@@ -85,10 +85,10 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
     Raises:
         EvalError: unknown or empty split, or unknown precision.
     """
-    import clip_mini
+    from clip_mini.embed import load
     from clip_mini.config import load_config
     from clip_mini.data import make_cache
-    from clip_mini.evaluation import evaluate_model
+    from clip_mini.eval.validation import evaluate_model
     from clip_mini.data import load_splits
 
     if split not in (None, "train", "val", "test"):
@@ -105,7 +105,7 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
     if len(df) == 0:
         raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split, None)}); "
                         f"choose another --split or set data.{split}")
-    embedder = clip_mini.load(model_dir, device=device, batch_size=batch_size)
+    embedder = load(model_dir, device=device, batch_size=batch_size)
     if progress:
         print(f"eval: {df['image_id'].nunique()} images, {len(df)} captions ({split}), {precision}, "
               f"batch {batch_size}", file=sys.stderr)
@@ -120,7 +120,7 @@ def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str
     """One L2-normalised row per class: the mean of its normalised template embeddings (as in CLIP)."""
     import torch
 
-    from clip_mini.precision import autocast
+    from clip_mini.runtime.precision import autocast
 
     for t in templates:
         if "{}" not in t:
@@ -128,7 +128,9 @@ def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str
     prompts = [t.format(c) for c in classes for t in templates]
     with autocast(torch.device(getattr(encoder, "device", "cpu")), precision):
         feats = encoder.encode_text(prompts).reshape(len(classes), len(templates), -1).mean(1)
-    return feats / np.linalg.norm(feats, axis=1, keepdims=True)
+    from clip_mini.retrieval.rows import unit_rows
+
+    return unit_rows(feats)
 
 
 def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_col: str = "label"
@@ -175,14 +177,14 @@ def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Option
 
     ``precision`` as in ``evaluate_retrieval``. Unreadable images are left out (``n_dropped_images``).
     """
-    import clip_mini
-    from clip_mini.evaluate import zero_shot_accuracy
+    from clip_mini.embed import load
+    from clip_mini.eval.metrics import zero_shot_accuracy
 
     precision = _resolve_precision(precision, model_dir)
     classes, paths, targets = read_labels(labels, images, label_col)
     if len(classes) < 2:
         raise EvalError(f"{labels}: zero-shot classification needs at least 2 classes, found {classes}")
-    embedder = clip_mini.load(model_dir, device=device, batch_size=batch_size)
+    embedder = load(model_dir, device=device, batch_size=batch_size)
     class_features = class_text_features(embedder, classes, templates, precision)
     image_features, ok = embed_image_files(embedder, paths, batch_size, workers, progress, precision)
     if len(ok) == 0:

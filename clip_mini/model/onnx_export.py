@@ -7,8 +7,8 @@ Each graph is a whole ``encode_*`` call: tower, projection head and L2 normalisa
     *.onnx.data  each graph's weights (ONNX external data, memory-mapped by onnxruntime; see ``weights_file``)
     onnx.json    the model fingerprint they were exported from, every file's sha256, opset and exporter versions
 
-Where they live: ``<model_dir>/onnx/`` (written when the model directory is saved with ``export_onnx=True``, or
-on first use), or ``<cache>/onnx/<fingerprint>/`` when the model directory is read-only (``<cache>`` is the image
+Where they live: ``<model_dir>/onnx/`` (written by ``export_if_missing`` when a model is indexed, or on first
+use), or ``<cache>/onnx/<fingerprint>/`` when the model directory is read-only (``<cache>`` is the image
 cache's root, ``$CLIP_MINI_CACHE_DIR`` first). Every load checks the files against ``onnx.json`` and
 ``onnx.json`` against the model's fingerprint, so a damaged file or an export of another model is refused with
 its name (``OnnxError``); ``ensure_onnx(..., repair=True)`` re-exports instead.
@@ -23,9 +23,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from clip_mini.checksums import cache_root, known_sha256
-from clip_mini.io import atomic_dir, sha256_file
-from clip_mini.manifest import ModelDirError, read_manifest
+from clip_mini.fileio.checksums import cache_root, known_sha256
+from clip_mini.fileio.atomic import atomic_dir, sha256_file
+from clip_mini.fileio.manifest import ModelDirError, read_manifest
 
 ONNX_DIR = "onnx"
 INDEX = "onnx.json"
@@ -90,7 +90,7 @@ def ensure_onnx(model_dir: str | Path, tower: str, repair: bool = False) -> Path
             except OnnxError:
                 if not repair:
                     raise
-    from clip_mini.model import CLIPModel
+    from clip_mini.model.clip import CLIPModel
 
     folder = _export_somewhere(CLIPModel.from_pretrained(model_dir), model_dir)   # verifies the weights first
     return verify_onnx(folder, fingerprint, (tower,))[tower]

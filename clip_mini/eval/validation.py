@@ -11,10 +11,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from clip_mini.evaluate import retrieval_metrics
-from clip_mini.loss import clip_loss
-from clip_mini.model import ImageForward
-from clip_mini.precision import autocast
+from clip_mini.eval.metrics import retrieval_metrics
+from clip_mini.model.loss import clip_loss
+from clip_mini.model.clip import ImageForward
+from clip_mini.runtime.precision import autocast
 
 
 def _image_features(model, paths: list[str], transform, cache, batch_size: int, device: torch.device,
@@ -137,7 +137,7 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
     metrics.update(n_images=len(image_features), n_captions=len(kept), n_dropped_images=len(dropped),
                    n_dropped_captions=len(df) - len(kept))
     # captions cut short by model.text.max_length: a count in every result, one line per process
-    from clip_mini.text import report_truncation
+    from clip_mini.model.text import report_truncation
 
     metrics["truncated_captions"] = report_truncation(model.tokenizer, kept["caption"].astype(str).tolist(),
                                                       model.cfg.text.max_length, "evaluation")

@@ -1,0 +1,1 @@
+"""The ``clip-mini`` command line: ``main`` parses and dispatches, one module per command."""

@@ -1,0 +1,67 @@
+"""``clip-mini search``: rank an index's images for a text or image query (a text query never imports torch)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from clip_mini.cli.common import command_parser, add_device, add_quiet, positive_int
+from clip_mini.cli.printing import print_json, print_results
+from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
+
+
+def add_arguments(sub) -> argparse.ArgumentParser:
+    se = command_parser(
+        sub, "search", "search an index with a text (or an image) query",
+        "Rank the images of an index by cosine similarity to a text query (or to an image with --image).\n"
+        "A text query never imports torch; paths are printed absolute.",
+        'clip-mini search --index indexes/photos "a dog running on grass" -k 5 --grid hits.png',
+        "clip-mini search --index indexes/photos --image query.jpg --json")
+    se.add_argument("--index", required=True, help="index directory")
+    se.add_argument("query", nargs="?", help="text query")
+    se.add_argument("--image", help="image query (image-to-image search)")
+    se.add_argument("-k", type=positive_int, default=10, help="number of results")
+    se.add_argument("--model", help="model directory (default: the one recorded in the index)")
+    se.add_argument("--backend", default="auto", choices=["auto", "exact", "faiss"], help="search back end")
+    se.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    se.add_argument("--grid", metavar="PNG", help="draw the results with rank, score and file name into this PNG")
+    se.add_argument("--no-verify", action="store_true", help="skip the checksum of the index files")
+    add_device(se)
+    add_quiet(se)
+    return se
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    if (args.query is None) == (args.image is None):
+        raise EmbeddingIndexError("search needs a text query or --image PATH (exactly one)")
+    if args.query is not None and not args.query.strip():
+        raise EmbeddingIndexError("the text query is empty")
+    index = EmbeddingIndex.load(args.index, verify=not args.no_verify)
+    if args.image is not None and not Path(args.image).is_file():
+        from clip_mini.embed import InputError
+
+        what = "is a directory, not an image file" if Path(args.image).is_dir() else "not found"
+        raise InputError(f"query image {what}: {args.image}")
+    # The device matters only for an image query: a text query runs torch-free (the string is resolved when the
+    # image tower loads, so a text search never imports torch to ask about CUDA).
+    [hits] = index.hits(texts=None if args.query is None else [args.query],
+                        images=None if args.image is None else [args.image],
+                        k=args.k, model_dir=args.model, backend=args.backend, device=args.device)
+    results = [{"rank": h["rank"], "score": round(h["score"], 6), "path": h["path"], "caption": h["caption"]}
+               for h in hits]
+    if args.grid:
+        from clip_mini.pictures.draw import result_grid
+
+        from clip_mini.retrieval.wds_source import hit_image_files
+
+        title = f"{args.query!r}" if args.query is not None else f"image: {args.image}"
+        with hit_image_files(index.items, [h["row"] for h in hits]) as files:   # shard rows: read back by offset
+            result_grid(files, [h["score"] for h in results], args.grid, title=title,
+                        names=[Path(h["path"]).name for h in results])
+    if args.json:
+        print_json({"query": args.query, "image": args.image, "index": str(index.path),
+                    "model_fingerprint": index.fingerprint, "results": results})
+    else:
+        print_results(results)
+        if args.grid:
+            print(f"grid: {args.grid}")
+    return 0

@@ -1,0 +1,1 @@
+"""File helpers: atomic writes, bounded reads, checksums and the model-directory manifest."""

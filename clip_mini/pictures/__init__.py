@@ -1,0 +1,1 @@
+"""Pictures: result grids, attention overlays and training curves."""

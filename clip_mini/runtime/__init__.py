@@ -1,0 +1,1 @@
+"""Where and how the model runs: device choice, precision, and the allocator setting."""
