@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-import check_readme  # noqa: E402
-from repo_paths import relative_to_repo  # noqa: E402
+from benchmarks.lib import check_readme  # noqa: E402
+from benchmarks.lib.repo_paths import relative_to_repo  # noqa: E402
 
 HEAD = "## Results\n\n| what | figure | script |\n|---|---|---|\n"
 
@@ -80,11 +80,10 @@ def _strings(x):
 
 
 def test_speed_benchmark_jsons_record_no_absolute_paths():
-    names = {n for s in (ROOT / "benchmarks").glob("bench_*.py") for n in check_readme.script_results(s)}
+    names = {n for s in (ROOT / "benchmarks").rglob("bench_*.py") for n in check_readme.script_results(s)}
     assert {"index.json", "data.json"} <= names
     for name in sorted(names):
-        path = ROOT / "benchmarks/results" / name
-        if path.is_file():
+        for path in (ROOT / "benchmarks/results").rglob(name):
             absolute = [s for s in _strings(json.loads(path.read_text())) if s.startswith(("/", "~")) or ":\\" in s]
             assert not absolute, f"{path.name}: {absolute}"
 
