@@ -223,7 +223,7 @@ def quality_table(doc: Doc, names: list[str], order_by_val: bool = True) -> None
                fill(f"quality/{name}", "{%s.test.t2i_medr:g} / {%s.test.i2t_medr:g}" % (b, b)),
                fill(f"quality/{name}", step + " ({%s.epoch})" % b),
                fill(f"quality/{name}", "{results.%d.wall_s:.0f} s" % i),
-               cpu, f"`{name}`", added_commit(name), f"`{rerun(name)}`"])
+               cpu, f"`{name}`", f"`{added_commit(name)}`", f"`{rerun(name)}`"])
 
 
 def features_table(doc: Doc, name: str) -> None:
@@ -416,6 +416,8 @@ SUMMARY = [
     ("exact search, 1M rows, 64 queries", "speed/search.json", "{sizes.2.exact_torch.q64.p50_ms:.0f} ms", "se"),
     ("same", "speed/search_noamx.json", "{sizes.2.exact_torch.q64.p50_ms:.0f} ms", "se"),
 ]
+TITLES = {"qu": "quality", "fs": "from scratch", "de": "the demo", "ts": "training speed", "tw": "towers",
+          "ix": "indexing", "se": "search", "sv": "serving"}
 ANCHORS = {"qu": "quality-on-real-photos", "fs": "from-scratch-vs-open_clip", "de": "the-demo",
            "ts": "training-speed", "tw": "towers", "ix": "indexing", "se": "search", "sv": "serving"}
 
@@ -424,7 +426,7 @@ def summary(doc: Doc) -> None:
     doc.add(BEGIN)
     t = Table(doc, ["question", "figure", "CPU", "details"])
     for what, file, template, anchor in SUMMARY:
-        t.row([what, fill(file, template), cpu_kind(file), f"[{anchor}]"])
+        t.row([what, fill(file, template), cpu_kind(file), f"[{TITLES[anchor]}][{anchor}]"])
     doc.add("")
     for key, anchor in ANCHORS.items():
         doc.add(f"[{key}]: benchmarks/RESULTS.md#{anchor}")
