@@ -26,6 +26,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/lib/results_md.py   # RESULTS.md and the README's table from the new JSONs
 
 clean:
 	rm -rf runs data/shapes indexes hits.png

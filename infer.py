@@ -3,7 +3,7 @@
 
     python infer.py index --model runs/tiny/best --images photos/ --out indexes/photos
     python infer.py search --index indexes/photos "a dog running on grass" -k 10 [--json] [--grid hits.png]
-    python infer.py eval --model runs/tiny/best --data configs/shapes.yaml --split test
+    python infer.py eval --model runs/tiny/best --data configs/tiny.yaml --split test
     python infer.py attention --model runs/tiny/best photo.jpg --out attn.png
 """
 import sys

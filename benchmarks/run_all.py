@@ -1,4 +1,4 @@
-"""Run every speed benchmark in turn (``make bench``); each prints JSON and writes benchmarks/results/<name>.json.
+"""Run every speed benchmark in turn (``make bench``); each prints JSON and writes benchmarks/results/speed/<name>.json.
 
 The Flickr8k quality benchmark trains for 30 minutes per variant, so it runs only with ``--quality``.
 """
@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SPEED = ["bench_data.py", "bench_allocator.py", "bench_train.py", "bench_towers.py", "bench_index.py", "bench_search.py", "bench_startup.py",
-         "bench_e2e.py"]
+SPEED = ["speed/bench_data.py", "speed/bench_allocator.py", "speed/bench_train.py", "speed/bench_towers.py",
+         "speed/bench_index.py", "speed/bench_search.py", "speed/bench_startup.py", "speed/bench_e2e.py"]
 
 
 def main() -> int:
-    scripts = SPEED + (["quality_flickr8k.py"] if "--quality" in sys.argv[1:] else [])
+    scripts = SPEED + (["quality/quality_flickr8k.py"] if "--quality" in sys.argv[1:] else [])
     failed = []
     for name in scripts:
         print(f"== {name}", flush=True)

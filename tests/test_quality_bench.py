@@ -17,10 +17,10 @@ import pytest
 from clip_mini.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-import openclip_peer  # noqa: E402
-import quality_flickr8k as qf  # noqa: E402
+from benchmarks.quality import openclip_peer  # noqa: E402
+from benchmarks.quality import quality_flickr8k as qf  # noqa: E402
 
 TOLERANCE_S = 10   # process exits and the final JSON write, after the last clock the benchmark reads
 TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
@@ -108,7 +108,7 @@ def test_limit_images_writes_a_subset_and_scales_the_split(shapes, tmp_path):
 def _bench(shapes: Path, tmp_path: Path, variants: str, minutes: float, *args: str
            ) -> tuple[dict, subprocess.CompletedProcess]:
     result = tmp_path / "quality.json"
-    cmd = [sys.executable, "benchmarks/quality_flickr8k.py", "--variants", variants, "--budget-min", str(minutes),
+    cmd = [sys.executable, "benchmarks/quality/quality_flickr8k.py", "--variants", variants, "--budget-min", str(minutes),
            "--captions", str(shapes), "--out", str(tmp_path / "runs"), "--result", str(result), *args]
     cmd += [a for s in TINY + [f"data.cache_dir={tmp_path / 'cache'}"] for a in ("--set", s)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},

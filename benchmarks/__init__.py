@@ -1,0 +1,1 @@
+"""Benchmarks: speed/, quality/, studies/ scripts, lib/ helpers, results/ JSONs (see benchmarks/README.md)."""
