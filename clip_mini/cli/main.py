@@ -1,10 +1,10 @@
 """``clip-mini``: train, index, search, eval, attention, serve.
 
     clip-mini --version
-    clip-mini train --config configs/shapes.yaml [--set train.epochs=3] [--resume] [--print-config]
+    clip-mini train --config configs/tiny.yaml [--set train.epochs=3] [--resume] [--print-config]
     clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos [--device auto|cpu|cuda:0]
     clip-mini search --index indexes/photos "a dog running on grass" -k 10 --grid hits.png
-    clip-mini eval --model runs/tiny/best --data configs/shapes.yaml --split test
+    clip-mini eval --model runs/tiny/best --data configs/tiny.yaml --split test
     clip-mini attention --model runs/tiny/best photo.jpg --out attn.png
     clip-mini serve --index indexes/photos [--port 8000]
 
