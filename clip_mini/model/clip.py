@@ -196,10 +196,10 @@ __all__ = ["CLIPModel", "ProjectionHead", "ModelDirError", "read_manifest", "mod
 
 
 class ImageForward:
-    """Pixels -> unit image embeddings for a pass without gradients: indexing, evaluation, ``bench_index.py``.
+    """Pixels -> unit image embeddings for a pass without gradients: indexing, evaluation, the indexing benchmark.
 
-    Under bf16 the tower is a bf16-weight copy run without autocast (``vision.inference_tower``: 1.1x (DINOv2) to
-    4x (EfficientNet-Lite0) autocast's images/s, within 1e-2 cosine of fp32); the projection head runs under
+    Under bf16 the tower is a bf16-weight copy run without autocast (``vision.inference_tower``: faster than
+    autocast, within 1e-2 cosine of fp32); the projection head runs under
     autocast and rows are normalised in fp32. One object per pass: building it copies the tower.
     """
 

@@ -260,8 +260,8 @@ def load_state(cache_dir: Optional[Path] = None) -> dict[str, torch.Tensor]:
         return state
     check_onnx_file(source)
     # Converting and verifying build timm ViTs, whose random init draws from the global generator: without the
-    # fork, a cold cache left every model built after it initialised differently from a warm one (the same
-    # flickr8k run scored val rsum 1.5388 on a cold cache and 1.5616 on a warm one).
+    # fork, a cold cache left every model built after it initialised differently from a warm one, so the same
+    # training run scored differently on a cold and on a warm cache.
     with torch.random.fork_rng(devices=[]):
         state = convert(source)
         diff = max_abs_difference(state, backbone_session(source), verification_images())

@@ -172,7 +172,7 @@ class TextEncoder(nn.Module):
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
         # torch's CPU dropout mask is slow (a single-threaded draw per element): the same distribution, cheaper
-        # (clip_mini/model/layers/dropout.py), in the embeddings, the FFNs and (through the registered attention) the attention
+        # (clip_mini/model/layers/dropout.py), in the embeddings, the FFNs and the attention (the registered one)
         self._eager = register_eager_attention()
         swap_dropouts(self.bert)
         self.width = cfg.dim

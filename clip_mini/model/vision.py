@@ -68,7 +68,7 @@ class ImageEncoder(nn.Module):
                                            drop_rate=cfg.dropout, drop_path_rate=cfg.drop_path, **tf_args)
         # cls_mean: [CLS ; mean of patch tokens], both after the final norm (DINOv2's linear-probe features);
         # cls4_mean: the CLS of the last 4 blocks (each through the final norm) and the patch mean, DINOv2's linear
-        # evaluation (benchmarks/results/features_dino_layers.json: val rsum 2.889 vs 2.743 for cls_mean, locked)
+        # evaluation, which retrieves better than cls_mean from a locked tower
         self.width = self.trunk.num_features * {"cls": 1, "cls_mean": 2, "cls4_mean": 5}[cfg.pooling]
         data_cfg = timm.data.resolve_model_data_config(self.trunk)
         mean, std = tuple(data_cfg["mean"]), tuple(data_cfg["std"])
@@ -131,8 +131,8 @@ class ImageEncoder(nn.Module):
         return torch.cat(earlier + [x[:, 0], x[:, t.num_prefix_tokens:].mean(1)], dim=-1)
 
     def _pick_attention(self, x: torch.Tensor) -> None:
-        """timm's fused attention or its plain one for this pass (``clip_mini.model.layers.kernels``: CPU training runs faster
-        without the fused kernel)."""
+        """timm's fused attention or its plain one for this pass (``clip_mini.model.layers.kernels``: CPU training
+        runs faster without the fused kernel)."""
         if self.cfg.backbone == "vit":
             fused = fused_attention(x)
             for block in self.trunk.blocks:
@@ -287,10 +287,10 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
     """The image tower for a pass that records no gradient (feature precompute, indexing).
 
     Under ``precision == "bf16"`` a copy with bf16 weights (channels-last for a CNN, its BatchNorms folded into the
-    convolutions: ``clip_mini.model.layers.bn_fold``, its ReLU6 applied by them: ``clip_mini.model.layers.conv_act``), run without autocast:
-    no per-call weight casts and no fp32 round trips around the norms. On this CPU that is 1.1x (DINOv2 ViT-S/14) to
-    4x (EfficientNet-Lite0) the images/s of the fp32 tower under bf16 autocast, and within 1e-2 cosine of fp32
-    (``benchmarks/bench_towers.py``). Any other precision: the encoder itself. Feed it ``tower_input(tower,
+    convolutions: ``clip_mini.model.layers.bn_fold``, its ReLU6 applied by them: ``clip_mini.model.layers.conv_act``),
+    run without autocast: no per-call weight casts and no fp32 round trips around the norms, so it is faster than the
+    fp32 tower under bf16 autocast (most of all for a CNN) and within 1e-2 cosine of fp32
+    (``benchmarks/results/speed/towers.json``). Any other precision: the encoder itself. Feed it ``tower_input(tower,
     pixels)``; its outputs are bf16.
     """
     if precision != "bf16":
@@ -298,13 +298,13 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
     import copy
 
     tower = copy.deepcopy(encoder).eval()
-    if encoder.cfg.backbone != "vit" and fold_bn:   # fold_bn=False: benchmarks/bench_towers.py's comparison arm
+    if encoder.cfg.backbone != "vit" and fold_bn:   # fold_bn=False: the towers benchmark's comparison arm
         from clip_mini.model.layers.bn_fold import fold_batchnorm
 
-        # BatchNorm folded into the convolutions (in fp32, before the cast): 2x the unfolded bf16 copy, whose
-        # ReLU6 cannot join the convolutions either (benchmarks/bench_towers.py, bn_folding_speedup). Folding is
-        # per channel, so the trunk alone on a small example checks it: the whole tower at full size twice (the
-        # locked DINOv2 of a concat tower included) took 0.6 s, 5% of indexing 500 photos in a profile.
+        # BatchNorm folded into the convolutions (in fp32, before the cast): no separate sweep per norm, and the
+        # unfolded copy's ReLU6 cannot join the convolutions either. Folding is per channel, so the trunk alone on
+        # a small example checks it: checking the whole tower at full size (a concat tower's locked DINOv2
+        # included) would add a noticeable share to indexing a small folder.
         example = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
         tower.trunk = fold_batchnorm(tower.trunk, example.to(next(tower.parameters()).device))
     tower = tower.to(torch.bfloat16)
@@ -313,10 +313,9 @@ def inference_tower(encoder: ImageEncoder, precision: str, fold_bn: bool = True,
     if encoder.cfg.backbone != "vit" and fuse_acts:
         from clip_mini.model.layers.conv_act import fuse_conv_act
 
-        # each ReLU6 as a post-op of the convolution before it (clip_mini/model/layers/conv_act.py), and whatever activation is
-        # left out of place: ATen's in-place bf16 elementwise kernels (hardtanh_, relu_) run at about a third of the
-        # out-of-place ones on this CPU. Together 2.15x on EfficientNet-Lite0's bf16 pass at 224 px, same
-        # values (benchmarks/bench_towers.py, activation_fusion_speedup).
+        # each ReLU6 as a post-op of the convolution before it (clip_mini/model/layers/conv_act.py), and whatever
+        # activation is left out of place: ATen's in-place bf16 elementwise kernels (hardtanh_, relu_) are much slower
+        # than the out-of-place ones on CPU. The values stay the same.
         example = tower_input(tower, torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)))
         tower.trunk = fuse_conv_act(tower.trunk, example.to(next(tower.parameters()).device))
         for m in tower.modules():

@@ -7,14 +7,13 @@ there. A step allocates and frees the same activations every time, so every step
 one page fault per 4 KiB page. Here no block is ``mmap``'d (``M_MMAP_MAX`` 0: large ones come from the heap too,
 so the raised threshold's 32 MiB cap no longer matters: DINOv2's MLP activations at batch 64 are 50 MB each) and
 up to ``trim_mib`` of free heap top is kept: the next step reuses the same memory without a fault. What that gives
-is measured by ``benchmarks/bench_allocator.py`` (``results/allocator.json``). The default keeps 2047 MiB, the
-most ``mallopt`` takes (a C int of bytes): with 512 MiB a training step that runs both locked towers on pixels
-(``frozen_features: 0``) still swung its heap top past the threshold every step: 948k page faults and 1.4 s of
-kernel time in a 6.2 s step, against 6k and 0.02 s in 5.4 s with 2047 (``benchmarks/bench_train.py --trim-mib``,
-``results/train_trim512.json`` against ``train_trim2047.json``). The price is that up to
-``trim_mib`` of freed memory stays with the process instead of going back to the system, and freed blocks below
-the heap top are reused rather than returned. glibc still maps fresh memory where the heap cannot grow, and in
-threads other than the main one for blocks larger than their 64 MiB arenas.
+is measured in ``benchmarks/results/speed/allocator.json``. The default keeps 2047 MiB, the most ``mallopt`` takes
+(a C int of bytes): with a smaller cap such as 512 MiB, a training step that runs both locked towers on pixels
+(``frozen_features: 0``) still swings its heap top past the threshold every step and faults its pages in again,
+spending a large share of the step in the kernel. The price is that up to ``trim_mib`` of freed memory stays with
+the process instead of going back to the system, and freed blocks below the heap top are reused rather than
+returned. glibc still maps fresh memory where the heap cannot grow, and in threads other than the main one for
+blocks larger than their 64 MiB arenas.
 
 A process-wide setting, so the programs (``train.py``, ``clip-mini``) call it at start; importing clip_mini does
 not. Elsewhere than Linux with glibc it changes nothing and returns False.

@@ -68,7 +68,7 @@ def enable_tf32(device: torch.device) -> None:
 def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 runs natively fast on ``device``: a CUDA GPU with bf16, or a CPU with AVX-512 BF16 or AMX.
 
-    On such a CPU a bf16 matmul is ~4x an fp32 one; without those instructions bf16 is emulated and slower than
+    On such a CPU a bf16 matmul is much faster than an fp32 one; without those instructions bf16 is emulated and slower than
     fp32, so "auto" precision picks fp32 there. Reads the Linux CPU flags; elsewhere answers False (fp32).
     """
     if device.type == "cuda":
@@ -105,9 +105,8 @@ def loader_workers(workers: Optional[int]) -> int:
 def default_workers(workers: Optional[int], device: torch.device) -> int:
     """Image-decoding DataLoader workers for an embedding pass (``index``, ``eval``): ``workers`` when given; else
     4 processes on a GPU (decoding is then the bottleneck) and none on a CPU: there the model's forward already
-    uses every core, and a decoding process beside it measured within about 5% of decoding in between batches,
-    faster in some runs and slower in others, on the Flickr8k dev photos and on camera-size ones
-    (``benchmarks/bench_index.py``, ``results/index.json``; large JPEGs decode at reduced scale,
+    uses every core, and a decoding process beside it gains nothing clear over decoding in between batches, on
+    small photos or camera-size ones (``benchmarks/results/speed/index.json``; large JPEGs decode at reduced scale,
     ``load_image(min_size=)``, which keeps decoding cheap). ``--workers 1`` still overlaps decoding where a CPU has
     cores to spare."""
     if workers is not None:

@@ -2,8 +2,8 @@
 
 A locked EfficientNet-Lite0 spends much of its bf16 pass in BatchNorm: each one is a separate, memory-bound sweep
 over a feature map, after a convolution that could have applied the same per-channel affine map for free
-(``benchmarks/bench_towers.py``, ``bn_folding_speedup``). In eval
-mode ``bn(conv(x)) = conv'(x)`` with ``w' = w * g / sqrt(v + eps)`` and ``b' = (b - m) * g / sqrt(v + eps) + beta``.
+(``benchmarks/results/speed/towers.json``, ``bn_folding_speedup``). In eval mode ``bn(conv(x)) = conv'(x)`` with
+``w' = w * g / sqrt(v + eps)`` and ``b' = (b - m) * g / sqrt(v + eps) + beta``.
 
 timm's CNNs register each BatchNorm right after the convolution it follows (``conv_dw, bn1``, ``conv_pw, bn2``...),
 which is the pattern folded here; ``fold_batchnorm`` checks its own output against the unfolded module and refuses

@@ -3,10 +3,9 @@ the training step's forward and backward (``train.compile``, ``CompiledStep`` be
 
 Inductor with ``freezing``: the tower's weights are folded into the graph as constants, which lets it prepack the
 linear layers' weights for oneDNN and fuse the element-wise work around them (norms, activations, residual adds)
-into generated loops. Measured on a CPU without AMX, a whole pass in its own process
-(benchmarks/bench_compile.py, results/compile_noamx.json): 1.13x the eager images/s for DINOv2 ViT-S/14 and 1.12x
-for EfficientNet-Lite0, after 4-15 s of compilation, so it pays from about a thousand images (ViT) or a few
-thousand (CNN); a short pass loses, which is why it is a setting and off by default.
+into generated loops. The gain per image is modest and compiling takes seconds, so it pays only over a long pass
+(thousands of images); a short pass loses, which is why it is a setting and off by default
+(``benchmarks/results/speed/compile_noamx.json``).
 
 Two things keep it from costing more than it gives:
 
@@ -64,8 +63,8 @@ class CompiledStep(nn.Module):
     """The trainer's feature module (``FeatureModel``, or DDP around it) through ``torch.compile`` (``train.compile``).
 
     Inductor fuses the element-wise work between the matrix products (norms, GELU, residual adds, the autocast
-    casts) in the forward and in the backward AOTAutograd derives from it. Measured at open_clip's tiny-CLIP size
-    on a CPU without AMX (``benchmarks/bench_train.py``, arm ``clip_mini_compiled``); it costs seconds to tens of
+    casts) in the forward and in the backward AOTAutograd derives from it. The gain per step is small
+    (``benchmarks/results/speed/train_noamx.json``, arm ``clip_mini_compiled``); it costs seconds to tens of
     seconds of compilation for the first batch, again for the first batch of another shape (then compiled for any
     length), and for accumulation's gradient-free first pass, so it pays only over a run of many steps and is off by
     default.
@@ -82,7 +81,7 @@ class CompiledStep(nn.Module):
         # Not a submodule: the same parameters must not be reached twice (DDP, parameters()). Shapes are not
         # fixed: captions are padded to the longest of their batch, so the sequence length changes from step to
         # step. torch.compile's automatic dynamic shapes recompile once, on the first change, for any length;
-        # dynamic=False would recompile for every new length (~10 s each here).
+        # dynamic=False would recompile for every new length (seconds each).
         object.__setattr__(self, "compiled", torch.compile(module))
         self.state = "new"   # new -> compiled (the first call worked) | eager (it failed)
 

@@ -1,12 +1,11 @@
 """Fuse a convolution and the activation after it into one oneDNN call, for the bf16 inference copy of a CNN tower.
 
-After BatchNorm folding (``clip_mini.model.layers.bn_fold``), EfficientNet-Lite0's bf16 pass still swept every feature map a
-second time for its ReLU6: a separate, memory-bound clamp, in place as timm builds it, and ATen's in-place bf16
-kernels run at about a third of the speed of its out-of-place ones on this CPU. Fusing it gave 2.15x on the bf16
-pass at 224 px (``benchmarks/bench_towers.py``, ``activation_fusion_speedup``). oneDNN
-applies the same clamp as a post-op while the convolution writes its output; ATen exposes that as
-``torch.ops.mkldnn._convolution_pointwise``, the op inductor's CPU fusion emits for frozen CNNs. The outputs are
-bitwise the same (a clamp of the same bf16 values).
+After BatchNorm folding (``clip_mini.model.layers.bn_fold``), EfficientNet-Lite0's bf16 pass still swept every feature
+map a second time for its ReLU6: a separate, memory-bound clamp, in place as timm builds it, and ATen's in-place bf16
+kernels are much slower than its out-of-place ones on CPU. Fusing removes that sweep
+(``benchmarks/results/speed/towers.json``, ``activation_fusion_speedup``). oneDNN applies the same clamp as a post-op
+while the convolution writes its output; ATen exposes that as ``torch.ops.mkldnn._convolution_pointwise``, the op
+inductor's CPU fusion emits for frozen CNNs. The outputs are bitwise the same (a clamp of the same bf16 values).
 
 It is an internal op, so ``fuse_conv_act`` uses it only where it exists and checks its own output against the
 unfused module on an example, returning the module unchanged otherwise. The fused module runs the plain

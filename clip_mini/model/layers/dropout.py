@@ -1,13 +1,13 @@
 """Dropout with a cheaper mask on CPU, for the text tower's training pass.
 
-torch's CPU dropout draws one Bernoulli sample per element from the Mersenne Twister generator on a single thread:
-in a profile of the flickr8k config's step (MiniLM with dropout 0.1) ``aten::bernoulli_`` was the largest cost
-after the matrix products, and with this module the step runs 1.12x faster (benchmarks/bench_train.py,
-results/train_dropout.json). Here one 64-bit draw (``random_`` on an int64 tensor gives 63 uniform bits) yields
-three 16-bit fields, each compared with a threshold: a third of the generator calls, and the same distribution up to
-the keep probability's rounding to 1/65536 (the scale uses the rounded probability, so the expectation is
-unchanged). It draws from torch's CPU generator, so ``torch.manual_seed`` and ``torch.set_rng_state`` replay the
-masks (gradient accumulation's re-forward relies on that). On a GPU it is ``F.dropout`` (Philox is already fast).
+torch's CPU dropout draws one Bernoulli sample per element from the Mersenne Twister generator on a single thread: in
+a profile of a text tower's training step (MiniLM with dropout 0.1) ``aten::bernoulli_`` is the largest cost after the
+matrix products (``benchmarks/results/speed/train_dropout.json`` compares the two). Here one 64-bit draw (``random_``
+on an int64 tensor gives 63 uniform bits) yields three 16-bit fields, each compared with a threshold: a third of the
+generator calls, and the same distribution up to the keep probability's rounding to 1/65536 (the scale uses the
+rounded probability, so the expectation is unchanged). It draws from torch's CPU generator, so ``torch.manual_seed``
+and ``torch.set_rng_state`` replay the masks (gradient accumulation's re-forward relies on that). On a GPU it is
+``F.dropout`` (Philox is already fast).
 """
 from __future__ import annotations
 

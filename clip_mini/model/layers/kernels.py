@@ -1,10 +1,10 @@
 """Which attention kernel the towers run: fused ``scaled_dot_product_attention``, or matmul + softmax + matmul.
 
 On CPU, the kernel ``scaled_dot_product_attention`` picks (ATen's flash attention) has a slow backward at these
-towers' sizes (24 to 257 tokens, head width 32 to 64): in the model-only training step at open_clip's tiny-CLIP size
-it took a third of the step, and the plain attention (timm's and transformers' own non-fused paths, the same
-arithmetic) made the whole step about 1.6x faster (``benchmarks/bench_train.py``, ``results/train.json``). Its
-forward is as fast as the plain one, and faster at 257 tokens (the DINOv2 ViT-S/14 at 224 px), so passes that
+towers' sizes (24 to 257 tokens, head width 32 to 64): it is a large share of the model-only training step at
+open_clip's tiny-CLIP size, and the plain attention (timm's and transformers' own non-fused paths, the same
+arithmetic) makes the whole step much faster (``benchmarks/results/speed/train.json``). Its forward is as fast as
+the plain one, and faster on long sequences (257 tokens: DINOv2 ViT-S/14 at 224 px), so passes that
 record no graph (``torch.inference_mode``: evaluation, indexing, the frozen-feature pass) keep it, as does any GPU.
 
 ``torch.no_grad`` counts as training here: gradient accumulation's first, gradient-free pass must run the same
