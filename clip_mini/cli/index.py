@@ -39,7 +39,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
                     help="DataLoader workers decoding images (default: none on a CPU, 4 on a GPU)")
     ix.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                     help="image tower precision (auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 BF16 or "
-                         "AMX), where it is 3-6x fp32 here within 1e-2 cosine; else fp32)")
+                         "AMX), where it is much faster than fp32 within 1e-2 cosine; else fp32)")
     ix.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help=argparse.SUPPRESS)
     ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf", "ivfpq"],
                     help="store a faiss index too (auto, when faiss is installed: HNSW from 500k rows, IVF-PQ "
@@ -49,7 +49,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
                          "measured on text-like proxy queries, see clip_mini/retrieval/faiss_auto.py)")
     ix.add_argument("--dtype", choices=["float16", "bfloat16"], default=None,
                     help="how the rows are stored (default: an existing index's, else float16). bfloat16: exact "
-                         "search reads the rows straight into this CPU's bf16 products (~2x faster on large "
+                         "search reads the rows straight into a native-bf16 CPU's products (faster on large "
                          "indexes), at 8 significant bits instead of 11 (cosines within ~4e-3 of float32)")
     ix.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                     help="RAM the faiss index may take, for --faiss auto (default: half the memory available): "

@@ -38,8 +38,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.poll <= 0:
         raise ServeError(f"--poll must be positive, got {args.poll}")
     # Concurrency comes from serving requests side by side; BLAS threads inside each small query product only
-    # fight over the same cores (exact search on 10k rows: 21 ms with OpenBLAS's threads vs 6.7 ms with one, 2
-    # cores under load). Set before numpy loads, which nothing above has imported; a user's setting wins.
+    # fight over the same cores, which makes each query slower under load, not faster. Set before numpy loads,
+    # which nothing above has imported; a user's setting wins.
     for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     try:

@@ -8,9 +8,9 @@ queries, and the result is stored in the manifest (``faiss_params``) so every se
 
 Proxy queries stand in for text queries, which an index of images does not have: each is a stored row blended
 with random noise so that its cosine to that row is ``PROXY_COSINE``. Text queries sit that far from their best
-image (the modality gap; median best match 0.58 on Flickr8k test captions) while near-copy queries (cosine ~1)
-make every index look perfect. ``benchmarks/bench_ann_real.py`` checks the tuned parameter on text-like queries
-generated from real Flickr8k embeddings.
+image (the modality gap: a caption's best image sits at a cosine well below 1) while near-copy queries (cosine ~1)
+make every index look perfect. ``benchmarks/results/speed/ann_real.json`` checks the tuned parameter on text-like
+queries generated from real Flickr8k embeddings.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 
 from clip_mini.retrieval import search as S
 
-PROXY_COSINE = 0.5       # below the measured 0.58 median best text->image match: errs towards more probing
+PROXY_COSINE = 0.5       # a little below a caption's typical best text->image cosine: errs towards more probing
 PROXY_QUERIES = 200
 RECALL_TARGET = 0.95
 STEPS = {"hnsw": [16, 32, 64, 128, 256, 512, 1024], "ivf": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],

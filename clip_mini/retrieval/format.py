@@ -104,7 +104,7 @@ def absolute_items(items: dict[str, list], manifest: dict, index_dir: Path) -> d
     if os.sep != "/":
         return {**items, "path": [os.path.normpath(os.path.join(root, p)) for p in items["path"]]}
     # Stored paths are os.path.relpath output (already normal), so joining is a concatenation except for paths
-    # that leave the root: 4x faster than normpath for every row, a cold query's cost on a large index.
+    # that leave the root: much cheaper than normpath for every row, a cold query's cost on a large index.
     prefix = root.rstrip("/") + "/"
     return {**items, "path": [prefix + p if not (p.startswith("..") or p.startswith("/"))
                               else os.path.normpath(os.path.join(root, p)) for p in items["path"]]}

@@ -1,6 +1,6 @@
 """Query encoders on onnxruntime: text and image queries without importing torch, timm or albumentations.
 
-Importing torch, transformers and timm costs 5 to 9 s of start-up on a small CPU, while a query is one caption or
+Importing torch, transformers and timm costs seconds of start-up on a small CPU, while a query is one caption or
 one picture through the towers. ``TextQueryEncoder`` tokenizes with the ``tokenizers`` library (the model's own
 ``tokenizer.json``) and runs ``text.onnx``; ``ImageQueryEncoder`` decodes with Pillow (``load_image``), applies the
 eval transform in numpy (``preprocess_np``) and runs ``image.onnx``. The ONNX files are the model's own towers,

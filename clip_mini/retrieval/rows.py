@@ -1,9 +1,9 @@
 """Stored embedding rows: float16 (the default) or bfloat16, and how numpy code reads either.
 
-Why bfloat16: this CPU has native bf16 matrix products (AMX/AVX512-BF16) but no fp16 arithmetic, so exact search
+Why bfloat16: a CPU with native bf16 matrix products (AMX/AVX512-BF16) has no fp16 arithmetic, so exact search
 over float16 rows must convert every row before it can multiply (``search.py``), while bf16 rows go straight into
-torch's bf16 matrix-vector and matrix products: one query over 1M x 256 rows reads at memory speed
-(``benchmarks/results/search.json``, ``bf16_storage_*``). The price is precision: 8 significant bits against
+torch's bf16 matrix-vector and matrix products, which read them at memory speed
+(``benchmarks/results/speed/search.json``, ``bf16_storage_*``). The price is precision: 8 significant bits against
 float16's 11 (unit rows: a cosine within ~4e-3 of float32 instead of ~5e-4), which is why float16 stays the default
 and bfloat16 is a choice (``clip-mini index --dtype bfloat16``).
 

@@ -8,17 +8,17 @@ Exact search has two kernels, with the same results (the float32 top-K, ties by 
 * torch (used when torch is already imported, as in a server or a notebook, or asked for): a cheap approximate
   pass over the whole matrix, then exact float64 re-scoring of a short list. One or a few queries: torch's float16
   matrix-vector product (float32 accumulation, read at close to memory speed). More queries: each cache-sized
-  chunk goes float16 -> float32 -> bfloat16 and through a bf16 matrix product (AMX/AVX512-BF16 on this CPU, ~4x
-  fp32), of which only the maximum of each group of 16 rows is kept; on a CPU with native bf16 the float32 chunk
-  goes to oneDNN as it is, asked to round it to bf16 inside the product (one conversion pass fewer). The K-th best
-  group maximum and the groups near it are found on the maxima of 64-group super-groups first. The approximate
-  scores' rounding error has a proven bound (``_margin``); every row whose approximate score is within
-  twice that bound of the approximate K-th best is re-scored exactly, so no true top-K row can be missed. fp16
-  arithmetic itself is never used: without native support it is emulated and ~100x slower.
+  chunk goes float16 -> float32 -> bfloat16 and through a bf16 matrix product (AMX/AVX512-BF16 where the CPU has
+  them, much faster than fp32), of which only the maximum of each group of 16 rows is kept; on a CPU with native
+  bf16 the float32 chunk goes to oneDNN as it is, asked to round it to bf16 inside the product (one conversion pass
+  fewer). The K-th best group maximum and the groups near it are found on the maxima of 64-group super-groups first.
+  The approximate scores' rounding error has a proven bound (``_margin``); every row whose approximate score is
+  within twice that bound of the approximate K-th best is re-scored exactly, so no true top-K row can be missed.
+  fp16 arithmetic itself is never used: without native support it is emulated and far slower.
 
 An index stored as bfloat16 (``clip-mini index --dtype bfloat16``, ``clip_mini.retrieval.rows``) skips every
-conversion: the torch kernel hands its rows straight to the bf16 matrix-vector or matrix product (one query over
-1M rows at about the time it takes to read them), and the numpy kernel widens bf16 bits to float32 exactly.
+conversion: the torch kernel hands its rows straight to the bf16 matrix-vector or matrix product (a query then
+costs little more than reading the rows), and the numpy kernel widens bf16 bits to float32 exactly.
 Re-scoring uses the stored values either way, so results are exact for the rows as stored.
 
 faiss (``pip install 'clip-mini[faiss]'``) is approximate and worth it for large indexes: its stored graph or
@@ -38,20 +38,19 @@ from clip_mini.retrieval.rows import BF16Rows, bf16_bits_to_f32
 
 FaissKind = Literal["hnsw", "ivf", "ivfpq"]
 # Above this many rows `auto` prefers a stored faiss index: exact search time grows with the rows (the float16 ->
-# float32 conversion dominates, far above the time to read the matrix once) while faiss IVF stays in milliseconds
-# at recall@10 1.0 on clustered data. Figures: benchmarks/results/search.json (benchmarks/bench_search.py).
+# float32 conversion dominates, far above the time to read the matrix once) while faiss IVF stays fast at full
+# recall on clustered data (benchmarks/results/speed/search.json).
 FAISS_THRESHOLD = 500_000
 # From this many rows `auto` builds IVF-PQ instead of HNSW: HNSW keeps float32 rows plus its graph in RAM
-# (~1.3 KB a row at d=256: 1.3 GB at 1M rows, built in 220 s), IVF-PQ d/8 bytes of code and an 8-byte id (40 B a
-# row: 42 MB at 1M, built in 5 s), its approximate scores re-ranked exactly from the memory-mapped float16 rows.
-# At 1M rows on text-like queries it is also the faster of the two at every recall (0.954 at 0.43 ms against
-# HNSW's 0.920 at 0.78 ms): benchmarks/results/ann_real.json; past RAM: index_10m.json.
+# (~1.3 KB a row at d=256) and builds slowly, IVF-PQ d/8 bytes of code and an 8-byte id (40 B a row) and builds
+# fast, its approximate scores re-ranked exactly from the memory-mapped float16 rows. At that size on text-like
+# queries it is also the faster of the two at every recall (benchmarks/results/speed/ann_real.json).
 IVFPQ_THRESHOLD = 1_000_000
 IVFPQ_MIN_ROWS = 10_000   # k-means of the sqrt(N) lists, and PQ's centroids, need ~39 training rows each
 HNSW_M = 32   # graph neighbours per row (two levels' worth of int32 links, ~2 * M * 4 bytes a row)
-# IVF-PQ candidates per wanted result, re-scored exactly: 10 gave recall@10 0.92 at 300k clustered rows but 0.68
-# at 1M (near neighbours' scores crowd together as an index grows, finer than PQ codes resolve); 50 costs
-# ~1 ms more a query (500 rows read from the memory map) and holds recall (benchmarks/results/index_10m.json)
+# IVF-PQ candidates per wanted result, re-scored exactly: near neighbours' scores crowd together as an index grows,
+# finer than PQ codes resolve, so a short list loses recall at a million rows; 50 holds it for a few hundred rows
+# more read from the memory map a query (benchmarks/results/speed/index_10m.json)
 RERANK = 50
 _RERANK_BLOCK = 16   # queries re-ranked together (16 x 500 candidates x 256 float32: 8 MB)
 
@@ -67,7 +66,7 @@ def ivfpq_lists(n: int) -> int:
 
 def faiss_memory(kind: str, n: int, dim: int) -> int:
     """Bytes a faiss index of ``n`` rows of width ``dim`` holds in RAM when searched (the estimate ``--faiss auto``
-    checks against its memory budget; ``benchmarks/results/index_10m.json`` measures the real ones)."""
+    checks against its memory budget; ``benchmarks/results/speed/index_10m.json`` measures the real ones)."""
     if kind == "hnsw":
         return n * (4 * dim + 2 * HNSW_M * 4 + 8)                # float32 rows + links + level/offset bookkeeping
     if kind == "ivf":
@@ -234,7 +233,7 @@ def _few_queries(torch, E, qv, k: int, margin: float):
 
 
 def _many_queries(torch, E, qb, qf, k: int):
-    """One bf16 matrix product per chunk, rows by queries (~1.7x faster here than queries by rows), of which only
+    """One bf16 matrix product per chunk, rows by queries (faster than queries by rows), of which only
     each group of ``_GROUP`` rows' maximum is kept: a top-K per chunk costs twice the product. The K-th best group
     maximum is a score that K distinct rows reach, so only groups whose maximum is within ``margin`` of it can hold
     a true top-K row; their rows are scored exactly and those above the floor (the K-th best less the margin)
@@ -253,7 +252,7 @@ def _many_queries(torch, E, qb, qf, k: int):
     gmax[groups:] = -math.inf
     chunk_rows = _BF16_ROWS_CHUNK if stored else _IMPLICIT_CHUNK if implicit else _BF16_CHUNK
     step = max(G, chunk_rows // G * G)   # whole groups per chunk
-    if not stored:   # float16 -> float32 (-> bfloat16) in reused buffers (float16 -> bfloat16 directly: 2x slower)
+    if not stored:   # float16 -> float32 (-> bfloat16) in reused buffers (float16 -> bfloat16 directly is slower)
         f32 = torch.empty(min(step, n), d)
         b16 = None if implicit else torch.empty(min(step, n), d, dtype=torch.bfloat16)
     qT = (qf if implicit else qb).T.contiguous()
@@ -327,8 +326,7 @@ def _candidate_groups(torch, gmax, k: int, margin: float):
 def _implicit_bf16(torch) -> bool:
     """Whether float32 products can be asked to run in bf16 inside oneDNN (``torch.backends.mkldnn.matmul.
     fp32_precision``, torch >= 2.9) on a CPU with native bf16: one conversion pass (float16 -> float32) instead
-    of two, the rounding to bf16 done while oneDNN packs the operands (the raw product over 1M x 256 rows for 64
-    queries: 73 against 92 ms on the AMX machine, benchmarks/results/search.json)."""
+    of two, the rounding to bf16 done while oneDNN packs the operands (``benchmarks/results/speed/search.json``)."""
     if not _IMPLICIT_BF16:
         return False
     backend = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
@@ -422,10 +420,10 @@ def _ivfpq(faiss, embeddings: np.ndarray, seed: int):
     """IVF-PQ: sqrt(N) lists (at most 4096), d/4 sub-vectors of 4 bits (d/8 bytes a row), trained on a sample.
 
     4-bit codes in faiss's fast-scan layout: a query's distance tables fit SIMD registers, so scanning a list
-    costs a fraction of 8-bit PQ's table lookups at the same bytes a row. On text-like queries over 1M rows,
-    re-ranked from the float16 rows: recall@10 0.954 at 0.43 ms a query (nprobe 64), built in 4.5 s
-    (benchmarks/results/ann_real.json; 8-bit PQ needed over 1 ms for 0.95). Past RAM, on tightly clustered rows,
-    the coarser codes leave more true neighbours outside the re-ranked candidates (index_10m.json).
+    costs a fraction of 8-bit PQ's table lookups at the same bytes a row: on text-like queries, re-ranked from the
+    float16 rows, it reaches a given recall sooner than 8-bit PQ and builds in seconds
+    (``benchmarks/results/speed/ann_real.json``). Past RAM, on tightly clustered rows, the coarser codes leave more
+    true neighbours outside the re-ranked candidates.
     """
     n, dim = embeddings.shape
     if n < IVFPQ_MIN_ROWS:

@@ -1,11 +1,11 @@
 """Concurrent queries searched as one batch: one pass over the rows answers every query waiting for it.
 
-Exact search costs about the same for 1 query as for 32 (it is bound by reading and converting the stored rows:
-100k rows, 1 / 64 queries: 30 / 84 ms in ``benchmarks/results/search.json``), so a server answering requests one by
-one spends almost all its time re-reading the same matrix. ``SearchBatcher`` runs searches in one thread: it takes
-every query queued while the previous batch ran (no waiting window, so a lone query is not delayed), searches them
-together against one generation, and hands each request its own rows. Top-k for a smaller k is the prefix of the
-batch's top-k (results are sorted best first, ties by row id).
+Exact search costs about the same for 1 query as for 32 (it is bound by reading and converting the stored rows,
+``benchmarks/results/speed/search.json``), so a server answering requests one by one spends almost all its time
+re-reading the same matrix. ``SearchBatcher`` runs searches in one thread: it takes every query queued while the
+previous batch ran (no waiting window, so a lone query is not delayed), searches them together against one generation,
+and hands each request its own rows. Top-k for a smaller k is the prefix of the batch's top-k (results are sorted best
+first, ties by row id).
 """
 from __future__ import annotations
 
