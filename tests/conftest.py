@@ -116,7 +116,7 @@ def trained_model_dir(shapes_splits, tmp_path_factory) -> Path:
     captions = df.groupby("image_id")["caption"].apply(list).tolist()
     steps, lr = 1000, 2e-3
     # One thread: for a model this small, a second thread only adds synchronisation, and on a busy machine
-    # OpenMP's spin-waiting made the same loop 40x slower. It also makes the run independent of the core count.
+    # OpenMP's spin-waiting makes the same loop many times slower. It also makes the run independent of the core count.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)

@@ -1,4 +1,4 @@
-"""Indexes past RAM, on a small stand-in (the 10M-row run is benchmarks/bench_index_10m.py): exact search over an
+"""Indexes past RAM, on a small stand-in (the 10M-row run is benchmarks/speed/bench_index_10m.py): exact search over an
 on-disk memory map equals brute force, IVF-PQ with exact re-ranking returns exact scores and finds the true
 neighbours, its codes are a fraction of the float16 rows, and ``faiss: auto`` picks it above IVFPQ_THRESHOLD."""
 import numpy as np
@@ -16,7 +16,7 @@ N, D = 20_000, 64
 
 @pytest.fixture(scope="module", autouse=True)
 def one_faiss_thread():
-    # OpenMP threads spin-wait: on a shared 2-core machine one thread trains k-means ~4x faster than two
+    # OpenMP threads spin-wait: on a shared, busy machine one thread trains k-means much faster than two
     before = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     yield

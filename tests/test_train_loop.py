@@ -85,9 +85,9 @@ def test_tiny_run_learns_and_writes_a_complete_run_directory(shapes, tmp_path):
 
 def test_siglip_loss_trains_its_bias_and_the_saved_model_keeps_it(shapes, tmp_path):
     # From scratch on the shapes demo SigLIP only finds the constant-logit optimum in these 60 steps (the bias
-    # learns log(P/N), the towers nothing yet; 120 steps did no better), so this checks the plumbing: the loss falls,
-    # the bias trains and is saved. What it does to retrieval is measured on real photos
-    # (benchmarks/results/features_loss.json, quality_flickr8k_concat_siglip.json).
+    # learns log(P/N), the towers nothing yet; more steps do no better), so this checks the plumbing: the loss falls,
+    # the bias trains and is saved. What it does to retrieval is measured on real photos by the quality benchmarks
+    # (benchmarks/results/quality/quality_flickr8k_concat_siglip.json).
     run = tmp_path / "run"
     extra = ("train.epochs=6", "train.loss=siglip", "model.init_logit_bias=-10", "model.init_logit_scale=2.302585")
     train(_cfg(shapes, run, *extra))

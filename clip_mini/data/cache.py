@@ -48,7 +48,7 @@ def default_cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _resizer(size: int, mode: str):
-    return resize_op(size, mode)   # building an albumentations op costs ~0.4 ms (validation); build it once
+    return resize_op(size, mode)   # building an albumentations op validates its arguments: not free, so once
 
 
 def decode_resized(path: str, size: int, mode: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Image files to pixel tensors for embedding (indexing, evaluation, the frozen-feature pass): no pandas, so an
-index run does not pay for importing it (0.16 s of indexing 500 photos).
+index run does not pay for importing it (a noticeable share of indexing a small folder).
 
 ``ImageDataset`` gives ``(pixels, i, ok)``; ``collate_images`` stacks them, keeping a channels-last transform's
 layout (``build_eval_transform(pre, torch.bfloat16)``) instead of transposing every image into NCHW.

@@ -36,11 +36,9 @@ def train_base_size(size: int, scale_min: float) -> int:
     A random crop covers at least ``scale_min`` of an image whose shorter side is the base, at an aspect ratio in
     ``CROP_RATIO``, so its shorter side is at least ``base * sqrt(scale_min * 3/4)`` (>= ``size`` by the second term):
     crops are shrunk to ``size``, never enlarged. The base is also at least ``2 * size`` because shrinking by a
-    small factor with INTER_AREA blurs nearly as much as enlarging. Measured on the 100 full-size Flickr8k photos at
-    size 64 (benchmarks/train_sharpness.py): mean absolute difference to the same crop taken from the full
-    image and shrunk once, 4.77 grey levels when cropping a 64 px copy (the old cache), 4.47 from an 83 px copy,
-    2.41 from a 128 px copy; mean neighbour difference 0.043, 0.043, 0.048 against 0.0515 for that ideal crop and
-    for the eval transform.
+    small factor with INTER_AREA blurs nearly as much as enlarging: a crop from a copy at ``size`` or a little above
+    it is much blurrier than the same crop shrunk once from the full image, and one from a ``2 * size`` copy comes
+    close to it (``benchmarks/results/studies/train_sharpness.json``).
     """
     return max(2 * size, math.ceil(size / math.sqrt(scale_min * CROP_RATIO[0]) - 1e-9))
 
@@ -58,10 +56,10 @@ class LutNormalize(A.Normalize):
     """``A.Normalize`` (mean/std, "standard") with one 3-channel table lookup for uint8 RGB images.
 
     albucore normalises uint8 through a table per channel and merges the three float planes; for equal means and
-    stds (the 0.5 models) it takes another path that costs about 1 ms per 288 px image, most of the decode work
-    when indexing 160 px photos. One ``cv2.LUT`` with a 3-channel table of the same float32 values (``(i - mean) *
-    (1 / (std * 255))``, as albucore computes them) gives the same bits in about 0.1 ms (``tests/test_data_pipeline.py``
-    checks it against ``A.Normalize``). Anything else goes to ``A.Normalize`` itself.
+    stds (the 0.5 models) it takes another, slow path that costs most of the decode work when indexing small photos.
+    One ``cv2.LUT`` with a 3-channel table of the same float32 values (``(i - mean) * (1 / (std * 255))``, as
+    albucore computes them) gives the same bits at a fraction of the cost (``tests/test_data_pipeline.py`` checks it
+    against ``A.Normalize``). Anything else goes to ``A.Normalize`` itself.
     """
 
     def __init__(self, *args, **kwargs):
@@ -122,9 +120,8 @@ def build_eval_transform(pre: PreprocessConfig, dtype: torch.dtype = torch.float
     ``dtype=torch.bfloat16``: the same values rounded to bf16, as a channels-last (3, S, S) view of the (S, S, 3)
     array, for a bf16 tower (``vision.inference_tower``; stack with ``collate_images``). The table lookup that
     normalises writes bf16 bits directly: no float32 image, no transposing copy, no cast of the batch, and
-    bitwise the float32 transform's output cast to bf16 (``tests/test_data_pipeline.py``). Indexing 500 photos
-    with the flickr8k model spent 0.9 s on the float32 path's decode, normalise, transpose, stack and cast; this
-    one takes 0.4 s (a one-off check, no JSON; ``benchmarks/bench_index.py`` measures the whole run).
+    bitwise the float32 transform's output cast to bf16 (``tests/test_data_pipeline.py``). That saves much of the
+    float32 path's work per image when indexing for a bf16 tower.
     """
     steps = [resize_op(pre.image_size, pre.resize_mode)]
     if pre.resize_mode == "center_crop":

@@ -240,13 +240,12 @@ def iter_bounded(paths: Sequence[str], fn: Callable[[str], T], timeout: Optional
     """``fn(path)`` for each path, in order, on one helper thread that runs at most ``ahead`` results ahead of the
     caller; yields ``(path, True, value)`` or ``(path, False, the exception)``.
 
-    ``run_bounded`` per file hands every file to its helper and waits: two thread switches a file, which took
-    0.5 s of indexing 2,000 photos with the tiny model (1.77 s against 1.26 s with no helper at all; a one-off
-    check). Here the helper reads ahead while the caller decodes. The bound is the same: a path gets at least
-    ``timeout`` seconds (default ``READ_TIMEOUT_S``) from when the caller starts waiting for it, and one that
-    overruns yields ``UnreadableFileError``; its helper is abandoned (told to stop once it wakes) and the paths
-    after it go to a fresh one. A helper of its own, not ``run_bounded``'s: the caller may call ``run_bounded``
-    while iterating.
+    ``run_bounded`` per file hands every file to its helper and waits: two thread switches a file, a large share of
+    indexing small photos with a small model. Here the helper reads ahead while the caller decodes. The bound is the
+    same: a path gets at least ``timeout`` seconds (default ``READ_TIMEOUT_S``) from when the caller starts waiting
+    for it, and one that overruns yields ``UnreadableFileError``; its helper is abandoned (told to stop once it wakes)
+    and the paths after it go to a fresh one. A helper of its own, not ``run_bounded``'s: the caller may call
+    ``run_bounded`` while iterating.
     """
     timeout = READ_TIMEOUT_S if timeout is None else timeout
     paths, i = list(paths), 0

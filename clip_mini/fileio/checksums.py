@@ -1,10 +1,10 @@
 """sha256 of files that are read on every query, remembered so that an unchanged file is hashed once.
 
-A cold ``clip-mini search`` checks the ONNX towers and the index files against their recorded checksums. Hashing
-them every time cost ~75 ms for the 91 MB MiniLM ``text.onnx`` and grows with the index (512 MB of rows at 1M x
-256), so ``known_sha256`` remembers each digest in the user cache against the file's identity (device, inode, size,
-mtime and ctime in ns). Any write to a file changes its ctime, which user code cannot set back, so a changed file
-is always hashed again; a stamp that cannot be read or written is ignored (the file is simply hashed).
+A cold ``clip-mini search`` checks the ONNX towers and the index files against their recorded checksums. Hashing them
+every time is a real share of a cold query already for the MiniLM ``text.onnx`` and grows with the index, so
+``known_sha256`` remembers each digest in the user cache against the file's identity (device, inode, size, mtime and
+ctime in ns). Any write to a file changes its ctime, which user code cannot set back, so a changed file is always
+hashed again; a stamp that cannot be read or written is ignored (the file is simply hashed).
 """
 from __future__ import annotations
 

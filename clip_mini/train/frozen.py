@@ -1,7 +1,7 @@
 """Precomputed outputs of a locked image tower, or of its locked first blocks (``train.frozen_features: N``).
 
 When the image tower is frozen (LiT), its output for a given image and crop never changes, so running it at
-every step is wasted work: on this CPU it is most of a step with EfficientNet-Lite0. Instead the tower's pooled
+every step is wasted work: on a CPU it is most of a step with EfficientNet-Lite0. Instead the tower's pooled
 output is computed once per image for ``N`` views (view 0 the eval transform, views 1..N-1 the training
 augmentation, each seeded by ``(seed, view, image)``), and training reads those rows: epoch ``e`` uses view
 ``e % N``. Only the image projection head, the text tower and the temperature then cost anything per step.
@@ -127,7 +127,7 @@ class _ViewDataset(Dataset):
 class TowerPass:
     """The locked tower as the frozen-feature pass runs it, built once for all the views of a split.
 
-    Under bf16 a bf16-weight copy (``vision.inference_tower``: 1.1x to 4x the images/s of autocast) run as it is;
+    Under bf16 a bf16-weight copy (``vision.inference_tower``: faster than autocast) run as it is;
     ``blocks = k > 0``: the token states before the last ``k`` blocks; ``compile``: through ``torch.compile``
     (``clip_mini.model.layers.compile_pass``: one compilation for every view and batch, eager if compiling fails).
     """

@@ -245,7 +245,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     result = {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
               "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
               "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0)}
-    if main:   # where this process's minutes went, for the user and benchmarks/bench_e2e.py (one file per process)
+    if main:   # where this process's minutes went, for the user and benchmarks/speed/bench_e2e.py (a file a process)
         from clip_mini.fileio.atomic import atomic_write_json
 
         atomic_write_json(run / "summary.json", {k: v for k, v in result.items() if k != "run_dir"})

@@ -4,7 +4,7 @@ A locked tower runs in eval mode (no dropout), so a caption's [CLS] state is the
 run the tower on every batch, the trainer runs it once over the split's distinct captions before the first step
 (sorted by length, so a batch pads little) and each batch then carries its captions' rows under ``text_tower``:
 a step costs the image side, the text head and the loss. With MiniLM-L6 locked and a small ViT learning from
-scratch this takes the text forward out of every step (benchmarks/quality_flickr8k.py, variant ``e``).
+scratch this takes the text forward out of every step (benchmarks/quality/quality_flickr8k.py, variant ``e``).
 WebDataset streams have no finite caption list and keep running the tower per batch.
 
 The rows are stored in the run directory (``frozen_features/text-tower.safetensors``, written atomically) under
