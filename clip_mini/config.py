@@ -151,6 +151,14 @@ class TrainConfig:
     loss: Literal["clip", "siglip"] = "clip"
     # locked text tower: contrast each image with this many of its captions, all positives, for the text head's cost
     captions_per_image: int = 1
+    # a wall-clock budget for the whole run ("30m", "90s", "1.5h"; a bare number is seconds): the trainer times
+    # its first steps and sets the step count and the cosine schedule so the run, one-time work (cache fill,
+    # frozen-feature pass), evaluations and the final save included, ends within it (clip_mini/train/budget.py);
+    # train.epochs and train.max_steps are then not used. A resumed run keeps the schedule it fitted.
+    budget: Optional[Union[str, float]] = None
+    # a model directory (e.g. runs/flickr8k-vit/best) to start from: its towers, heads, temperature, tokenizer and
+    # preprocessing; the model section must match it or be left out (clip_mini/train/init_from.py)
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -262,6 +270,32 @@ def _check_ranges(cfg: Config) -> None:
         val = getattr(cfg.train, name)
         if val is not None and val < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {val!r}")
+    if cfg.train.budget is not None:
+        parse_duration(cfg.train.budget, "train.budget")
+    if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
+        raise ConfigError("train.init_from must name a model directory (or be null)")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|secs|seconds?|m|min|mins|minutes?|h|hr|hrs|hours?)?\s*$",
+                       re.IGNORECASE)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(value: Any, key: str = "train.budget") -> float:
+    """``"30m"``, ``"90s"``, ``"1.5h"`` (or a number of seconds) -> seconds; a ``ConfigError`` naming ``key``
+    for anything else (empty, negative, zero, an unknown unit)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be a duration such as 30m, 90s or 1.5h, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION.match(str(value))
+        if not m:
+            raise ConfigError(f"{key} must be a duration such as 30m, 90s or 1.5h (s, m or h), got {value!r}")
+        seconds = float(m.group(1)) * _UNIT_S[(m.group(2) or "s")[0].lower()]
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{key} must be a positive duration, got {value!r}")
+    return seconds
 
 
 # DINOv2 ViT-S/14 in VisionConfig's terms (model.vision.pretrained or model.vision.concat = dinov2-small-imgfocus)
@@ -433,6 +467,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             raise ConfigError(f"--set {text}: {e}") from None
         _set_path(data, key, value)
     try:
+        _model_from_init_dir(data)
         return from_dict(Config, data).validate()
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
@@ -461,6 +496,60 @@ def _get_path(d: dict, dotted: str) -> Any:
             raise KeyError(dotted)
         d = d[p]
     return d
+
+
+# Model keys a fine-tuning run may set differently from the model directory it starts from (train.init_from):
+# they change how the towers train, not their weights' shapes or what the weights mean.
+INIT_FROM_FREE = {"model.vision.dropout", "model.vision.drop_path", "model.vision.patch_drop",
+                  "model.vision.trainable", "model.vision.trainable_blocks", "model.text.dropout",
+                  "model.text.trainable", "model.head_dropout"}
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def _model_from_init_dir(data: dict) -> None:
+    """With ``train.init_from``: the model section is the directory's, any key the config gives must match it (but
+    for ``INIT_FROM_FREE``), and ``data["model"]`` becomes the directory's section with those keys applied.
+
+    A directory that no longer exists is only an error when the model section is left out (a finished run's
+    ``config.yaml`` still loads for ``clip-mini eval`` after its starting model was deleted); the trainer checks
+    that it exists before it starts."""
+    import json
+
+    train = data.get("train")
+    init = train.get("init_from") if isinstance(train, dict) else None
+    if not init:
+        return
+    config_json = Path(str(init)) / "config.json"
+    given = data.get("model")
+    if not config_json.is_file():
+        if given is None:
+            raise ConfigError(f"train.init_from: {init} is not a model directory (no config.json), and the model "
+                              "section is left out to be taken from it")
+        return
+    try:
+        saved = json.loads(config_json.read_text(encoding="utf-8"))["model"]
+        from_dict(ModelConfig, saved, "model.")
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
+        raise ConfigError(f"train.init_from: {config_json} is not a clip_mini model config: {e}") from None
+    if given is None:
+        data["model"] = saved
+        return
+    if not isinstance(given, dict):
+        raise ConfigError(f"model must be a mapping, got {type(given).__name__}")
+    merged = _deep_merge(saved, given)
+    want = _flatten(to_dict(from_dict(ModelConfig, merged, "model.")), "model.")
+    have = _flatten(to_dict(from_dict(ModelConfig, saved, "model.")), "model.")
+    for key in sorted(want):
+        if key not in INIT_FROM_FREE and want[key] != have[key]:
+            raise ConfigError(f"{key} is {want[key]!r} here but {have[key]!r} in train.init_from's model ({init}): "
+                              "the model section must match the directory, or be left out to take it from there")
+    data["model"] = merged
 
 
 def dump_config(cfg: Config) -> str:

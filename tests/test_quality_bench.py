@@ -62,33 +62,6 @@ def test_every_variant_gets_the_reference_split():
                                     "data.test_list=null"]
 
 
-def test_fit_epochs_fits_the_time_left():
-    # 10 steps/epoch of 1 s, 5 s per evaluation, 6 steps done: 6 epochs take 54 s of steps + 30 s of evaluations
-    assert qf.fit_epochs(100, 1.0, 5.0, 10, 6) == 6
-    for left in (20, 50, 100, 400):
-        e = qf.fit_epochs(left, 1.0, 5.0, 10, 6)
-        assert (e * 10 - 6) * 1.0 + e * 5.0 <= left or e == 1
-    assert qf.fit_epochs(-30, 1.0, 5.0, 10, 6) == 1   # nothing fits: finish the epoch under way
-    assert qf.fit_epochs(-30, 1.0, 5.0, 10, 25) == 3
-
-
-def test_fit_steps_cuts_the_last_epoch_short_to_use_the_budget():
-    # 10 steps/epoch of 1 s, 5 s per evaluation, 6 steps done: 6 whole epochs (84 s) leave 13 s of the 97 usable;
-    # steps 61-68 and their evaluation fit in them
-    assert qf.fit_steps(100, 1.0, 5.0, 10, 6) == 68
-    assert qf.fit_schedule("steps", 100, 1.0, 5.0, 10, 6) == (7, 68)
-    assert qf.fit_schedule("epochs", 100, 1.0, 5.0, 10, 6) == (6, None)
-    for left in (20, 50, 100, 400):
-        s = qf.fit_steps(left, 1.0, 5.0, 10, 6)
-        evals = -(-s // 10)   # every epoch that ends and the cut last one
-        assert (s - 6) * 1.0 + evals * 5.0 <= 0.97 * left
-        assert (s + 1 - 6) * 1.0 + -(-(s + 1) // 10) * 5.0 > 0.97 * left   # one step more would not fit
-        assert s >= 10 * qf.fit_epochs(left, 1.0, 5.0, 10, 6) or left < 20
-    assert qf.fit_steps(-30, 1.0, 5.0, 10, 6) == 7   # nothing fits: one step more, then stop
-    assert qf.schedule_sets(7, 68) == ["--set", "train.epochs=7", "--set", "train.max_steps=68"]
-    assert qf.schedule_sets(6, None) == ["--set", "train.epochs=6"]
-
-
 def test_peer_fit_steps():
     # 10 steps/epoch of 1 s, 5 s per evaluation, 8 steps done: 7 epochs = 62 s of steps + 35 s of evaluations
     assert openclip_peer.fit_steps(100, 1.0, 5.0, 10, 8) == 70
@@ -121,31 +94,38 @@ def _has_numbers(scores: dict) -> bool:
     return all(isinstance(scores[k], float) and 0 <= scores[k] <= 1 for k in ("t2i_r1", "t2i_r5", "i2t_r10"))
 
 
-@pytest.mark.slow
-def test_trainer_variant_reports_test_for_best_and_final_within_budget(shapes, tmp_path):
-    report, proc = _bench(shapes, tmp_path, "a", 1.0, "--fit", "steps")
-    assert report["reported_split"] == "test" and "TEST split" in proc.stdout
+def test_races_report_val_only_and_final_scores_test_once_into_the_ledger(shapes, tmp_path):
+    # --epochs 1: the flag is what is tested here, not the budget (below)
+    ledger = tmp_path / "ledger.jsonl"
+    report, proc = _bench(shapes, tmp_path, "a", 1.0, "--epochs", "1", "--ledger", str(ledger))
+    assert report["reported_split"] == "val" and "VAL split" in proc.stdout and "TEST" not in proc.stdout
     (r,) = report["results"]
     assert "error" not in r, r
-    assert r["wall_s"] <= r["budget_s"] + TOLERANCE_S
-    assert r["timed_steps"] == 10 and r["step_s"] > 0 and r["test_score_s"] > 0
-    assert r["cache_warmup"]["images"] == 200 and r["cache_warmup"]["decoded"] == 200   # a fresh cache, all of it
+    assert not {"test", "test_images"} & (r["best"].keys() | r["final"].keys()) and "test_score_s" not in r
+    assert _has_numbers(r["best"]["val"]) and _has_numbers(r["final"]["val"])
+    assert not ledger.exists()   # the test split was not read
+    report, proc = _bench(shapes, tmp_path, "a", 1.0, "--epochs", "1", "--ledger", str(ledger), "--final")
+    assert report["reported_split"] == "test" and "TEST split" in proc.stdout
+    (r,) = report["results"]
     for which in ("best", "final"):
         assert _has_numbers(r[which]["test"]) and r[which]["test_images"] == 30, which
-    assert _has_numbers(r["best"]["val"])
-    # final/ has the trainer's val numbers; a run stopped at the reserve scores its newest checkpoint instead
-    assert _has_numbers(r["final"]["val"]) or r["final"]["from_checkpoint"]
-    assert r["final"]["step"] >= r["best"]["step"] >= 1
+    (line,) = [json.loads(x) for x in ledger.read_text().splitlines()]   # one scoring, one line
+    assert line["variant"] == "a" and line["test"]["best"] == r["best"]["test"] and line["test_images"] == 30
+    assert len(line["config_hash"]) == 64 and line["date"] and line["cpu"]["model"]
+    assert line["commit"] is None or len(line["commit"].split("-")[0]) == 40
+
+
+@pytest.mark.slow
+def test_trainer_variant_is_a_budget_run_of_the_trainer(shapes, tmp_path):
+    report, proc = _bench(shapes, tmp_path, "a", 0.5)
+    (r,) = report["results"]
+    assert "error" not in r, r
+    assert r["train_wall_s"] <= r["budget_s"] + TOLERANCE_S and not r["stopped_at_budget"]
+    plan = r["budget"]   # the trainer's own fit (clip_mini/train/budget.py), as a user's train.py run makes it
+    assert plan["fitted"] and plan["budget_s"] == 30 and plan["total"] == r["steps_done"] == r["final"]["step"]
+    assert "--set train.budget=30s" in r["command"]
+    assert _has_numbers(r["best"]["val"]) and "test" not in r["best"]
     assert all(r["machine_fp32_gflops"][k] > 1 for k in ("before", "after"))   # the machine's speed, recorded
-    # the schedule was fitted a second time, after a piece of the fitted run, and the run followed the new fit
-    refit = r["refit"]
-    assert refit["at_step"] > r["timed_steps"] and not refit.get("stopped"), refit
-    assert r["epochs_planned"] == refit["epochs"] and refit["step_s"] > 0
-    # --fit steps: the run trained the re-fitted number of steps (the last epoch possibly cut short) unless the
-    # reserve stopped it, and every epoch it ended was evaluated
-    assert r["fit"] == "steps" and r["steps_planned"] == refit["steps"]
-    assert r["epochs_planned"] == -(-r["steps_planned"] // r["steps_per_epoch"])
-    assert r["stopped_at_reserve"] or r["final"]["step"] == r["steps_planned"]
     curve = r["val_curve"]
     assert [c["epoch"] for c in curve] == list(range(1, r["epochs_done"] + 1)) and 0 <= curve[-1]["rsum"] <= 6
 
@@ -159,5 +139,5 @@ def test_openclip_peer_reports_val_and_test_within_budget(shapes, tmp_path):
     assert r["wall_s"] <= r["budget_s"] + TOLERANCE_S
     assert r["model"]["patch_size"] == 4 and r["split_images"] == {"train": 140, "val": 30, "test": 30}
     for which in ("best", "final"):
-        assert _has_numbers(r[which]["val"]) and _has_numbers(r[which]["test"]), which
+        assert _has_numbers(r[which]["val"]) and "test" not in r[which], which   # a race: val only
     assert r["steps_done"] >= openclip_peer.TIMED_STEPS and r["epochs_done"] >= 1

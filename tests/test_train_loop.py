@@ -240,6 +240,7 @@ def test_flickr8k_config_trains_lit_style_on_real_photos(tmp_path):
         f"data.captions={FLICKR8K / 'captions.csv'}", f"data.cache_dir={tmp_path / 'cache'}", "data.val=40",
         "data.test=6851", "train.frozen_features=2",
         "data.workers=0", "train.batch_size=16", "train.max_steps=3", "train.epochs=1", "train.warmup_steps=1",
+        "train.budget=null",   # a fixed 3 steps, not the config's 30 minutes
         "train.eval_batch_size=64", f"train.out_dir={run}"])
     result = train(cfg)
     assert result["step"] == 3 and math.isfinite(result["val"]["loss"])

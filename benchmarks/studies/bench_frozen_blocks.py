@@ -82,7 +82,8 @@ def run_k(k: int, args, captions: Path, out: Path) -> dict:
     from clip_mini.train import train
 
     sets = [f"data.captions={captions}", f"data.image_root={CAPTIONS.parent / 'images'}", f"data.val={args.val}",
-            "data.test=0", f"train.out_dir={out}", f"train.epochs={args.epochs}", f"train.batch_size={args.batch}",
+            "data.test=0", f"train.out_dir={out}", f"train.epochs={args.epochs}", "train.budget=null",
+            f"train.batch_size={args.batch}",
             f"train.frozen_features={args.views}", f"train.warmup_steps={args.warmup}", "train.log_every=3",
             "train.checkpoint_every=0", f"train.threads={args.threads}", "data.workers=0"]
     if k:

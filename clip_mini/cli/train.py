@@ -25,6 +25,12 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                         "intact checkpoint of train.out_dir and starts fresh if there is none; or a checkpoint "
                         "file or run directory")
     p.add_argument("--out", help="run directory (same as --set train.out_dir=...)")
+    p.add_argument("--budget", metavar="DURATION",
+                   help="wall-clock budget for the whole run, e.g. 30m, 90s, 1.5h (same as --set train.budget=...): "
+                        "the step count and the learning-rate schedule are fitted so the run ends within it")
+    p.add_argument("--init-from", metavar="MODEL_DIR",
+                   help="start from a saved model directory (same as --set train.init_from=...): its towers, "
+                        "heads, tokenizer and preprocessing")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, after --set) as YAML and exit")
     p.add_argument("--quiet", "-q", action="store_true",
@@ -39,6 +45,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
 
     args = build_parser(prog).parse_args(argv)
     overrides = list(args.overrides) + ([f"train.out_dir={args.out}"] if args.out else [])
+    overrides += [f"train.budget={args.budget}"] if args.budget else []
+    overrides += [f"train.init_from={args.init_from}"] if args.init_from else []
     try:
         cfg = load_config(args.config, overrides)
         from clip_mini.train.build import check_train_config
@@ -61,12 +69,13 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
 def run(cfg, resume: Optional[str], quiet: bool = False) -> int:
     from clip_mini.cli.common import EXIT_INTERRUPTED, EXIT_USER_ERROR, is_user_error
     from clip_mini.cli.progress import console
+    from clip_mini.train.budget import process_start_time
     from clip_mini.train import train
 
     try:
         sink = open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout)   # quiet: no info lines
         with console(quiet), sink as out, contextlib.redirect_stdout(out):
-            train(cfg, resume=resume)
+            train(cfg, resume=resume, started=process_start_time())   # train.budget counts the whole process
     except KeyboardInterrupt:
         print("interrupted; continue with --resume auto", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -154,11 +155,13 @@ class TowerPass:
 
 @torch.inference_mode()
 def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, device: torch.device, precision: str,
-                 workers: int, desc: str, blocks: int = 0, tower: Optional[TowerPass] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 workers: int, desc: str, blocks: int = 0, tower: Optional[TowerPass] = None,
+                 check=None, left_after: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, D)`` tower outputs of one view (``blocks = k > 0``: ``(N, T, D)`` token states before the last
     ``k`` blocks) and an ``(N,)`` bool mask of the images that could be read. ``tower``: the pass to run (a
-    ``TowerPass`` of ``model``, ``precision`` and ``blocks``), built here when not given."""
+    ``TowerPass`` of ``model``, ``precision`` and ``blocks``), built here when not given. ``check``:
+    ``check(images done, images of the whole pass, seconds)`` after the first batches (``train.budget``), the
+    whole pass being this view and ``left_after`` more images."""
     from clip_mini.data import collate_images
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -167,14 +170,17 @@ def compute_view(model, dataset: _ViewDataset, view: int, batch_size: int, devic
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                         generator=torch.Generator(),   # never moves the global RNG (exact resume)
                         pin_memory=device.type == "cuda", collate_fn=collate_images)
-    rows, oks, start = None, [], 0
-    for pixels, _, ok in tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True):
+    rows, oks, start, tick = None, [], 0, time.perf_counter()
+    for i, (pixels, _, ok) in enumerate(tqdm(loader, desc=desc, unit="batch", dynamic_ncols=True)):
         out = tower(pixels, device)
         if rows is None:   # filled in place: a token view is hundreds of MB, a list + cat would hold it twice
             rows = torch.empty((len(dataset), *out.shape[1:]), dtype=dtype)
         rows[start:start + len(out)] = out.to(dtype).cpu()
         start += len(out)
         oks.append(ok)
+        if check is not None and (i == 2 or start == len(dataset)):   # after the first batches (a settled rate)
+            check(start, len(dataset) + left_after, time.perf_counter() - tick)
+            check = None
     assert rows is not None and start == len(dataset), "the view covers every image"
     return rows, torch.cat(oks)
 
@@ -190,7 +196,7 @@ def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, tor
 
 
 def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int, run: Path, cache,
-                    device: torch.device, augment=None, write: bool = True):
+                    device: torch.device, augment=None, write: bool = True, check=None, left_after: int = 0):
     """Features of a split and its ``(N,)`` readable mask: each view read from
     ``frozen_features/{split}-view{v}.safetensors`` when its key matches, else computed (and stored, if ``write``).
 
@@ -220,7 +226,9 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
             got = compute_view(model, dataset, view, cfg.train.eval_batch_size, device, cfg.train.precision,
                                loader_workers(cfg.data.workers),
                                desc=f"frozen {what} ({split}, view {view + 1}/{views})",
-                               blocks=blocks, tower=tower)
+                               blocks=blocks, tower=tower, check=check,
+                               left_after=len(paths) * (views - view - 1) + left_after)
+            check = None   # one projection, from the first view computed
             if write:
                 write_keyed_tensors(path, {"features": got[0], "ok": got[1]}, key)
                 if blocks:   # drop the in-memory copy for the memory-mapped file
@@ -276,8 +284,9 @@ class FeatureCollate:
 
 
 def prepare(model, cfg: Config, splits: dict[str, pd.DataFrame], run: Path, cache, device: torch.device,
-            is_main: bool, barrier) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{"train": ((N views, I, D), ok), "val": ((I, D), ok)}``; rank 0 computes and stores, then the others read."""
+            is_main: bool, barrier, check=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{"train": ((N views, I, D), ok), "val": ((I, D), ok)}``; rank 0 computes and stores, then the others read.
+    ``check``: the budget's projection of the pass (``compute_view``), made once, on rank 0."""
     from clip_mini.data import build_train_transform
     from clip_mini.train.inputs import SeededAugment
 
@@ -286,9 +295,12 @@ def prepare(model, cfg: Config, splits: dict[str, pd.DataFrame], run: Path, cach
     out = {}
     for rank_turn in (True, False):   # rank 0 first; then, after the barrier, everyone else (finding the files)
         if is_main == rank_turn:
+            n_val = len(split_paths(splits["val"]))
             out["train"] = load_or_compute(model, cfg, splits["train"], "train", views, run, cache, device,
-                                           augment, write=is_main)
-            val, ok = load_or_compute(model, cfg, splits["val"], "val", 1, run, cache, device, write=is_main)
+                                           augment, write=is_main, check=check if is_main else None,
+                                           left_after=n_val)
+            val, ok = load_or_compute(model, cfg, splits["val"], "val", 1, run, cache, device, write=is_main,
+                                      check=check if is_main else None)
             out["val"] = (val[0], ok)   # (N, D) or (N, T, D): the one eval view
         if rank_turn:
             barrier()

@@ -22,8 +22,9 @@ from clip_mini.runtime.devices import loader_workers
 from clip_mini.model.loss import ClipLoss, SigLipLoss
 from clip_mini.model.text import report_truncation
 from clip_mini.train import checkpoint as ckpt_io
-from clip_mini.train import text_cache
+from clip_mini.train import init_from, text_cache
 from clip_mini.train.accum import FeatureModel, forward_backward
+from clip_mini.train.budget import Budget, feature_pass_check, fill_cache
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
                                    warn_config_changes)
 from clip_mini.train.distributed import all_min, barrier, cleanup, default_threads, init_distributed
@@ -33,13 +34,16 @@ from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_t
 from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, set_lr, set_train_mode
 
 
-def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] = None) -> dict:
+def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] = None,
+          started: Optional[float] = None) -> dict:
     """Train a model as ``cfg`` says, writing the run directory ``cfg.train.out_dir``.
 
     Args:
         cfg: a validated ``Config``.
         resume: None (fresh run), ``"auto"`` (newest intact checkpoint of the run, fresh if none) or a path.
         stop_after: checkpoint and return once this many steps are done (a pause; resume continues exactly).
+        started: when the run's wall clock started (``time.time()``; the programs pass their process's start),
+            for ``train.budget``; None: now.
 
     Returns:
         ``{"run_dir", "step", "epoch", "best_metric", "best_value", "val", "stopped", "time_s",
@@ -53,10 +57,10 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
             stack.callback(cleanup)
         if not info.is_main:   # rank 0 alone prints (the data loaders' messages too); errors still reach stderr
             stack.enter_context(redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
-        return _train(cfg, info, resume, stop_after)
+        return _train(cfg, info, resume, stop_after, started)
 
 
-def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) -> dict:
+def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], started: Optional[float]) -> dict:
     # -- set-up: threads, run directory, resume point --------------------------------------------------------
     t, main, device = cfg.train, info.is_main, info.device
     torch.set_num_threads(t.threads or default_threads(info))
@@ -64,6 +68,11 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     ckpt_path = ckpt_io.resolve_resume(resume, run)
     ckpt = ckpt_io.load_checkpoint(ckpt_path) if ckpt_path else None
     check_run_dir(run, resuming=ckpt is not None)
+    start_dir = init_from.init_dir(cfg) if t.init_from and not ckpt else None   # train.init_from: a model directory
+    # train.budget: the run's plan; a resumed run keeps the one it fitted (its total steps), without fitting again
+    budget = Budget.from_config(cfg, started or t0)
+    kept_total = budget.resume(ckpt.get("budget")) if budget and ckpt else None
+    fitting = budget is not None and kept_total is None
     if main:
         run.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run / "config.yaml")
@@ -74,12 +83,18 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     # -- data and tokenizer (trained on the TRAIN captions only; saved once, read by every rank) -------------
     splits = load_splits(cfg, report_dir=run if main else None, progress=main)
     if main:
-        prepare_tokenizer(cfg, run, splits["train"]["caption"].tolist(), ckpt_path)
+        if start_dir is not None:   # the starting model's tokenizer: its token ids are what its weights read
+            init_from.copy_tokenizer(start_dir, run / "tokenizer")
+        else:
+            prepare_tokenizer(cfg, run, splits["train"]["caption"].tolist(), ckpt_path)
     barrier()
 
     # -- model, optimiser, inputs ----------------------------------------------------------------------------
     torch.manual_seed(t.seed)
-    model = build_model(cfg, run / "tokenizer", load_pretrained=ckpt is None).to(device)
+    model = build_model(cfg, run / "tokenizer", load_pretrained=ckpt is None and start_dir is None)
+    if start_dir is not None:
+        init_from.load_weights(model, start_dir)
+    model = model.to(device)
     frozen = freeze_towers(model)
     optimizer = build_optimizer(model, t)
     if ckpt:   # weights before anything reads them (DDP's broadcast, the frozen-feature pass)
@@ -103,11 +118,19 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
     cache = make_image_cache(cfg, model.preprocess, splits)
     frozen_feats = None   # a locked image tower's outputs, computed once (train.frozen_features)
     clock = _Clock()
+    if fitting and cache is not None and not t.frozen_features:   # one-time work: counts against the budget
+        if main:
+            with clock("cache_fill"):
+                paths = sorted({p for df in splits.values() for p in df["path"].unique()})
+                fill_cache(cache, paths, model.preprocess, budget.deadline, budget.budget_s, progress=main)
+        barrier()
     if t.frozen_features:
         from clip_mini.train import frozen as frozen_io
 
         with clock("feature_pass"):
-            frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier)
+            frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier,
+                                             check=feature_pass_check(budget.deadline, budget.budget_s)
+                                             if fitting else None)
         inputs = frozen_io.build_frozen_train_inputs(cfg, splits["train"], *frozen_feats["train"], model.tokenizer,
                                                      model.cfg.text.max_length, info.rank, info.world_size)
     else:
@@ -128,6 +151,12 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         raise TrainError(f"the train split has {splits['train']['image_id'].nunique()} images, fewer than one "
                          f"batch of {global_batch}; lower train.batch_size or train.accum_freq")
     total = min(t.epochs * steps_per_epoch, t.max_steps or math.inf)
+    if budget:   # until the first fit, the config's length (the fit falls inside the warmup where it can)
+        budget.spe, budget.one_time_s = steps_per_epoch, budget.elapsed()
+        total = kept_total or total
+
+    def n_epochs() -> int:
+        return math.ceil(total / steps_per_epoch) if budget else t.epochs
     eval_transform = _eval_transform(model)
 
     # -- resume or evaluate the untrained model --------------------------------------------------------------
@@ -140,37 +169,66 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             raise ckpt_io.CheckpointError(f"{ckpt_path} lacks the training state {e}") from None
         ckpt_io.set_rng_state(ckpt["rng"])   # last: building the model above drew from the RNG
         log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
+        if fitting and log.epochs():   # paused before its fit: the evaluation time the run measured so far
+            budget.eval_s = log.epochs()[-1].get("eval_s", 0.0)
     if main:
         print(f"train: {len(splits['train'])} captions / {splits['train']['image_id'].nunique()} images, "
               f"{steps_per_epoch} steps/epoch of {global_batch} pairs, {total} steps; "
               f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
         if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
             with clock("evaluation"):
+                tick = time.perf_counter()
                 _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0, frozen_feats)
+                if budget:
+                    budget.eval_s = time.perf_counter() - tick
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
     @clock.timed("checkpoints")
-    def save_state() -> None:
+    def save_state() -> float:
+        """Write a checkpoint; returns its seconds."""
+        tick = time.perf_counter()
         saved_at[0] = state["step"]
         if main:
             ckpt_io.save_checkpoint(run / "checkpoints", {
                 **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "rng": ckpt_io.rng_state(), "config": cfg.to_dict(), "total_steps": total,
+                **({"budget": budget.state} if budget else {}),
                 **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}, t.keep_checkpoints)
+        seconds = time.perf_counter() - tick
+        if budget:
+            budget.save_s = seconds
+        return seconds
+
+    def refit(first: bool = False, latest: bool = False) -> None:
+        """Fit the step count to the time left (every rank gets the smallest fit); say so when it changes."""
+        nonlocal total
+        # at least one more step: the step just taken had its learning rate from the old plan, and the schedule's
+        # last step must run at the minimum
+        new = max(all_min(budget.fit(state["step"], latest), device), state["step"] + 1)
+        budget.plan["total"] = new
+        if main and (first or abs(new - total) > 0.05 * total):   # a small correction goes to the plan only
+            tqdm.write(("budget: " + budget.describe()) if first else
+                       f"budget: re-fitted at step {state['step']}: {new} steps (was {total}), "
+                       f"{budget.plan['step_s']:.3f} s/step")
+        total = new
 
     params = [p for p in model.parameters() if p.requires_grad]
     # fp16 needs loss scaling (its range underflows small gradients); disabled, the scaler passes everything through
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     if ckpt and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
+    if fitting and not ckpt:   # one checkpoint write timed before the fit (and a state to resume from)
+        save_state()
     stopped = False
-    while state["epoch"] < t.epochs and state["step"] < total and not stopped:
+    while state["epoch"] < n_epochs() and state["step"] < total and not stopped:
         epoch = state["epoch"]
         set_train_mode(model, True)
-        bar = tqdm(total=steps_per_epoch, initial=state["pos"], desc=f"epoch {epoch + 1}/{t.epochs}",
+        bar = tqdm(total=steps_per_epoch, initial=state["pos"], desc=f"epoch {epoch + 1}/{n_epochs()}",
                    disable=not main, dynamic_ncols=True, leave=True)
         window = _Window()
+        if budget:
+            budget.steps_started()
         for micro in inputs.loader(epoch, state["pos"]):
             clock.add("data_wait", window.data_ready())
             # set lr: warmup + cosine, a pure function of the step
@@ -193,9 +251,17 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
             state["pos"] += 1
+            if fitting:   # time the step; fit once the first steps are timed, re-fit when off course
+                budget.step_done()
+                if not budget.plan["fitted"] and all_min(int(budget.due()), device):   # every rank agrees
+                    refit(first=True)
+                elif budget.plan["fitted"] and state["step"] < total and \
+                        all_min(int(budget.off_course(state["step"], total)), device):
+                    refit(latest=True)
             # log
             clock.add("steps", window.step_done(loss.item(), global_batch))
-            if main and (state["step"] % t.log_every == 0 or state["pos"] == steps_per_epoch):
+            if main and (state["step"] % t.log_every == 0 or state["pos"] == steps_per_epoch
+                         or state["step"] == total):   # the last step's row too: the schedule's end
                 row = window.row(state, lr, model.scale().item(), grad_norm.item())
                 bar.set_postfix(loss="nan" if row["loss"] is None else f"{row['loss']:.3f}", lr=f"{lr:.1e}",
                                 scale=f"{row['logit_scale']:.1f}", pairs_s=f"{row['pairs_per_s']:.0f}")
@@ -204,8 +270,10 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             bar.update(1)
             # checkpoint; pause
             if t.checkpoint_every and state["step"] % t.checkpoint_every == 0:
-                save_state()
+                seconds = save_state()
                 window.skip_wait()   # the checkpoint's time is not a wait for data
+                if budget:
+                    budget.exclude(seconds)   # nor a step's: the fit counts checkpoints apart
             if stop_after is not None and stop_after <= state["step"] < total:
                 stopped = True
                 break
@@ -219,14 +287,21 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             with clock("evaluation"):
                 val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1, t0,
                                 frozen_feats)
+            if budget:
+                budget.eval_s = log.epochs()[-1]["eval_s"]
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]
                 with clock("checkpoints"):
+                    tick = time.perf_counter()
                     model.save_pretrained(run / "best",
                                           extra={"trained": _provenance(state["step"], epoch + 1, val, t)})
+                    if budget:
+                        budget.model_save_s = time.perf_counter() - tick
         barrier()
         set_train_mode(model, True)
         state.update(epoch=epoch + 1, pos=0, epoch_loss=[0.0, 0])
+        if fitting and budget.step_times and state["step"] < total:   # the measured epoch end: fit again
+            refit(first=not budget.plan["fitted"])
         save_state()
 
     # -- finish: final model directory and summary (or, when pausing, just the checkpoint) --------------------
@@ -241,10 +316,15 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         best = "none" if state["best"] is None else f"{state['best']:.4g}"
         print(f"best {t.best_metric} = {best}; model directories: {run / 'best'}, {run / 'final'} "
               f"({time.time() - t0:.0f} s)")
+        if budget:
+            print(f"budget {budget.budget_s:.0f} s: {budget.elapsed():.0f} s used since the process started, "
+                  f"{state['step']} steps ({state['step'] / steps_per_epoch:.2f} epochs) at "
+                  f"{budget.plan.get('step_s', float('nan')):.3f} s/step")
     barrier()
     result = {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
               "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
-              "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0)}
+              "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0),
+              **({"budget": budget.state} if budget else {})}
     if main:   # where this process's minutes went, for the user and benchmarks/speed/bench_e2e.py (a file a process)
         from clip_mini.fileio.atomic import atomic_write_json
 
