@@ -35,8 +35,8 @@ class TimedH11Protocol(H11Protocol):
         super().handle_events()
         if self.cycle is not None and self.cycle is not cycle:   # a new request's headers arrived
             self._arm(self.body_timeout_s if self.cycle.more_body else None)
-        elif self.cycle is not None and not self.cycle.more_body:   # its body is complete
-            self._arm(None)
+        elif self.cycle is not None and not self.cycle.more_body and not self.cycle.response_complete:
+            self._arm(None)   # the body of the request being answered is complete
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
