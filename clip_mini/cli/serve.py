@@ -32,6 +32,9 @@ def add_arguments(sub) -> argparse.ArgumentParser:
                                    "browsers log in once at /login. Needed for a non-loopback --host")
     p.add_argument("--no-auth", action="store_true",
                    help="serve a non-loopback --host without a token (anyone who reaches the port can search)")
+    p.add_argument("--lazy-attention", action="store_true",
+                   help="load the attention model (torch: about 1 GB resident) on the first attention map instead "
+                        "of in the background at start")
     add_device(p)   # where the torch model runs (attention maps); queries run in onnxruntime
     return p
 
@@ -61,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         device = str(resolve_device(device))
     cfg = ServeConfig(index=args.index, model=args.model, poll_s=args.poll, allowed_hosts=allowed_hosts(args.host),
-                      device=device, token=token)
+                      device=device, token=token, preload_attention=not args.lazy_attention)
     service = Service(cfg)
     gen = service.watcher.current
     host = f"[{args.host}]" if ":" in args.host else args.host
