@@ -56,7 +56,7 @@ def _free_port() -> int:
 def _tamper(index_dir: Path, new_paths: dict[int, str]) -> None:
     """Replace item paths of the current generation and recompute every checksum, as someone with write access to
     the index could: the checksums then pass, so only the server's own confinement stands in the way."""
-    from clip_mini.io import atomic_write_json, sha256_file
+    from clip_mini.fileio.atomic import atomic_write_json, sha256_file
     from clip_mini.retrieval.format import _manifest_digest
 
     manifest = json.loads((index_dir / "manifest.json").read_text())
@@ -235,7 +235,7 @@ def test_exposure_rules(monkeypatch):
 
 
 def test_non_loopback_host_without_a_token_exits_2(photo_index, capsys, monkeypatch):
-    from clip_mini.cli import main
+    from clip_mini.cli.main import main
 
     monkeypatch.delenv("CLIP_MINI_TOKEN", raising=False)
     assert main(["serve", "--index", str(photo_index), "--host", "0.0.0.0"]) == 2
@@ -458,7 +458,7 @@ def test_half_sent_requests_are_timed_out():
 def test_cli_runs_uvicorn_with_the_deadlines(photo_index, monkeypatch):
     import uvicorn
 
-    from clip_mini.cli import main
+    from clip_mini.cli.main import main
     from clip_mini.serve.protocol import TimedH11Protocol
 
     seen = {}
