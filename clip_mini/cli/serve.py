@@ -16,16 +16,24 @@ import json
 import os
 import sys
 
-from clip_mini.cli.common import add_device
+from clip_mini.cli.common import add_device, command_parser
 from clip_mini.serve.server import SERVE_CONFIG_ENV, TOKEN_ENV, ServeError, allowed_hosts, exposure
 
 
 def add_arguments(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="search service and web page over an index (HTTP)")
+    p = command_parser(
+        sub, "serve", "search service and web page over an index (HTTP)",
+        "Serve an index over HTTP: a search page (text, or an image dropped on it), a JSON API, thumbnails,\n"
+        "originals and attention maps. The index is reloaded when `clip-mini index --add` publishes a new\n"
+        "generation. Bound to 127.0.0.1 unless --host says otherwise; another host needs --token (or\n"
+        "$CLIP_MINI_TOKEN) or --no-auth. See docs/serving.md.",
+        "clip-mini serve --index indexes/photos",
+        "CLIP_MINI_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(24))') "
+        "clip-mini serve --index indexes/photos --host 0.0.0.0 --port 8080")
     p.add_argument("--index", required=True, help="index directory (reloaded when a new generation is published)")
     p.add_argument("--model", help="model directory (default: the one recorded in the index)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--workers", type=int, default=1, help="server processes, each with its own model and index")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between checks for a new index generation")
     p.add_argument("--token", help=f"require this token on every request but /healthz (default: ${TOKEN_ENV}); "
