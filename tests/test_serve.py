@@ -140,7 +140,7 @@ def test_attention_needs_a_vit(tmp_path):
 
 # -- bad input: 4xx JSON, and the server keeps serving ---------------------------------------------------------
 def _bomb_png() -> bytes:
-    # 10000 x 10000 = 100 MP of one colour compresses to ~100 KB: over the 40 MP upload limit, refused undecoded.
+    # 10000 x 10000 = 100 MP of one colour compresses to ~100 KB: over the 36 MP upload limit, refused undecoded.
     buf = io.BytesIO()
     Image.new("L", (10000, 10000)).save(buf, format="PNG", optimize=False)
     return buf.getvalue()
