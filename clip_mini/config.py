@@ -402,8 +402,8 @@ def _did_you_mean(name: Any, names: set[str], prefix: str = "") -> str:
     return f"; did you mean {prefix}{close[0]}?" if close else ""
 
 
-def _check_key(dotted: str) -> None:
-    """Refuse an override key that names no config field, suggesting the nearest one."""
+def _check_key(dotted: str) -> Any:
+    """Refuse an override key that names no config field, suggesting the nearest one; returns the field's type."""
     cls, prefix = Config, ""
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(cls):
@@ -413,6 +413,7 @@ def _check_key(dotted: str) -> None:
             raise ConfigError(f"unknown config key {prefix}{part}{_did_you_mean(part, names, prefix)} "
                               f"(known: {', '.join(sorted(names))})")
         cls, prefix = typing.get_type_hints(cls)[part], f"{prefix}{part}."
+    return cls
 
 
 def _set_path(d: dict, dotted: str, value: Any) -> None:
@@ -458,19 +459,25 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections (model, data, train)")
     _move_renamed(data)
+    set_by = {}   # key -> the --set text that gave it its value
     for text in overrides or []:
         key, value = parse_override(text)
         key = RENAMED.get(key, key)
-        try:
-            _check_key(key)   # before merging: an unknown key is then known to come from --set, not the file
+        try:   # before merging: an unknown key or a wrong type is then known to come from --set, not the file
+            tp = _check_key(key)
+            if not dataclasses.is_dataclass(tp):
+                _coerce(value, tp, key)
         except ConfigError as e:
             raise ConfigError(f"--set {text}: {e}") from None
         _set_path(data, key, value)
+        set_by[key] = text
     try:
         _model_from_init_dir(data)
         return from_dict(Config, data).validate()
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        # a value out of range is reported by the key it names ("train.epochs must be > 0, got 0")
+        blamed = next((t for k, t in set_by.items() if str(e).startswith((f"{k} ", f"{k}:"))), None)
+        raise ConfigError(f"--set {blamed}: {e}" if blamed else f"{path}: {e}" if path else str(e)) from None
 
 
 # keys that moved: old configs (and the config.yaml of runs being resumed) still load

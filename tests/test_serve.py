@@ -70,7 +70,9 @@ def test_text_search_answers_like_the_library(client, small_index):
     assert body["query"] == "a red circle" and body["k"] == 5 and body["generation"] == 1 and body["took_ms"] >= 0
     assert [h["rank"] for h in body["results"]] == [1, 2, 3, 4, 5]
     assert [h["id"] for h in body["results"]] == ids[0].tolist()
-    assert [h["path"] for h in body["results"]] == [index.items["path"][i] for i in ids[0]]
+    # paths relative to the indexed folder: an answer does not say where the photos live
+    photos = small_index.parent / "photos"
+    assert [h["path"] for h in body["results"]] == [os.path.relpath(index.items["path"][i], photos) for i in ids[0]]
     np.testing.assert_allclose([h["score"] for h in body["results"]], scores[0], atol=1e-6)
     for h in body["results"]:
         assert h["thumb"] == f"/thumb/{h['id']}?gen=1" and h["image"] == f"/image/{h['id']}?gen=1"
@@ -83,8 +85,8 @@ def test_image_search_by_upload_and_by_base64(client, small_index):
     from clip_mini.retrieval.index import EmbeddingIndex
 
     index = EmbeddingIndex.load(small_index)
-    target = index.items["path"][7]
-    data = Path(target).read_bytes()
+    data = Path(index.items["path"][7]).read_bytes()
+    target = Path(index.items["path"][7]).name   # as the answer shows it: relative to the indexed folder
     r = client.post("/api/search/image", params={"k": 3}, files={"file": ("q.png", data, "image/png")})
     assert r.status_code == 200, r.text
     top = r.json()["results"][0]
@@ -138,7 +140,7 @@ def test_attention_needs_a_vit(tmp_path):
 
 # -- bad input: 4xx JSON, and the server keeps serving ---------------------------------------------------------
 def _bomb_png() -> bytes:
-    # 10000 x 10000 = 100 MP of one colour compresses to ~100 KB: over the 40 MP upload limit, refused undecoded.
+    # 10000 x 10000 = 100 MP of one colour compresses to ~100 KB: over the 36 MP upload limit, refused undecoded.
     buf = io.BytesIO()
     Image.new("L", (10000, 10000)).save(buf, format="PNG", optimize=False)
     return buf.getvalue()
@@ -263,8 +265,11 @@ def test_host_header_checked_on_loopback(small_index):
     with TestClient(app, base_url="http://127.0.0.1:8000") as c:
         assert c.get("/healthz").status_code == 200
         # a DNS name rebound to 127.0.0.1 by some web page must not read the photos
-        assert c.get("/thumb/0", headers={"host": "attacker.example:8000"}).status_code == 400
-    assert allowed_hosts("0.0.0.0") == ["*"]
+        r = c.get("/thumb/0", headers={"host": "attacker.example:8000"})
+        assert r.status_code == 400 and "invalid Host header 'attacker.example:8000'" in r.json()["error"]
+        assert c.get("/healthz", headers={"host": "localhost:8000"}).status_code == 200
+        assert c.get("/healthz", headers={"host": "[::1]:8000"}).status_code == 200
+    assert allowed_hosts("0.0.0.0") == ["*"] and "127.0.0.2" in allowed_hosts("127.0.0.2")
 
 
 # -- generations -----------------------------------------------------------------------------------------------
@@ -306,7 +311,7 @@ def test_reload_while_clip_mini_index_add_runs(model_dir, tmp_path):
         # the previous generation's rows are still shown for pages that were rendered from it
         old_row = next(h for h in answers[0][1]["results"])
         assert c.get(old_row["thumb"]).status_code == 200
-        assert c.get(f"/image/{old_row['id']}?gen=1").content == Path(old_row["path"]).read_bytes()
+        assert c.get(f"/image/{old_row['id']}?gen=1").content == (tmp_path / "photos" / old_row["path"]).read_bytes()
     gens = [a["generation"] for _, a in answers]
     assert gens[0] == 1 and gens[-1] == 2 and gens == sorted(gens), gens   # never back to the old one
     assert len(more) + len(first) == len(_generation_files(tmp_path / "index", 2)[1])

@@ -59,20 +59,37 @@ def photos(heldout_images, shapes_dir, tmp_path_factory) -> tuple[Path, Path]:
     return folder, folder / target
 
 
-@pytest.fixture(scope="module")
-def server(trained_model_dir, photos, tmp_path_factory):
-    """`clip-mini serve` over ``photos``, as its own process."""
-    pytest.importorskip("fastapi", reason="clip-mini serve needs the serve extra: pip install -e '.[serve]'")
-    import httpx
+TOKEN = "browser-test-token-0123456789"
 
+
+@pytest.fixture(scope="module")
+def index(trained_model_dir, photos, tmp_path_factory) -> Path:
     from clip_mini.retrieval.index import EmbeddingIndex
 
     index = tmp_path_factory.mktemp("browser") / "index"
     EmbeddingIndex.build(index, trained_model_dir, photos[0], progress=False)
+    return index
+
+
+@pytest.fixture(scope="module")
+def server(index):
+    yield from _serve(index, {})
+
+
+@pytest.fixture(scope="module")
+def token_server(index):
+    yield from _serve(index, {"CLIP_MINI_TOKEN": TOKEN})
+
+
+def _serve(index: Path, env: dict):
+    """`clip-mini serve` over ``index``, as its own process."""
+    pytest.importorskip("fastapi", reason="clip-mini serve needs the serve extra: pip install -e '.[serve]'")
+    import httpx
+
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "clip_mini", "serve", "--index", str(index), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1200):
@@ -125,8 +142,8 @@ def test_search_page_in_chromium(server, browser, photos, tmp_path):
     hits = browser.find_elements(By.CSS_SELECTOR, "#results a.hit")
     api = httpx.get(f"{server}/api/search", params={"q": QUERY, "k": 24}, timeout=60).json()
     assert len(hits) == 24 and [h.get_attribute("data-path") for h in hits] == [r["path"] for r in api["results"]]
-    top = hits[0].get_attribute("data-path")
-    assert top == str(photos[1]), f"top result {top}, expected the only {COLOUR} {SHAPE} {photos[1]}"
+    top = hits[0].get_attribute("data-path")   # relative to the indexed folder
+    assert top == photos[1].name, f"top result {top}, expected the only {COLOUR} {SHAPE} {photos[1]}"
     assert "#1" in hits[0].text and f"{api['results'][0]['score']:.3f}" in hits[0].text
     wait.until(lambda d: d.execute_script(
         "return [...document.querySelectorAll('#results img')].slice(0, 8)"
@@ -150,7 +167,7 @@ def test_search_page_in_chromium(server, browser, photos, tmp_path):
 
     # image search: choose a file (what a drop does too); the indexed image itself comes first
     query_image = api["results"][5]["path"]
-    browser.find_element(By.ID, "image-file").send_keys(query_image)
+    browser.find_element(By.ID, "image-file").send_keys(str(photos[0] / query_image))
     wait.until(lambda d: (d.find_element(By.ID, "results").get_attribute("data-query") or "").startswith("image "))
     first = browser.find_element(By.CSS_SELECTOR, "#results a.hit")
     assert first.get_attribute("data-path") == query_image and "1.000" in first.text
@@ -162,3 +179,30 @@ def test_search_page_in_chromium(server, browser, photos, tmp_path):
     shot = tmp_path / "search.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     print(f"screenshots: {shot}, {tmp_path / 'viewer.png'}")
+
+
+def test_login_page_in_chromium(token_server, browser):
+    """With a token, the page sends the browser to the login form; the right token opens the search page."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 120)
+    browser.delete_all_cookies()
+    browser.get(token_server + "/")
+    wait.until(lambda d: d.title == "clip-mini: log in")
+    assert browser.current_url == token_server + "/login"
+    assert not browser.find_element(By.ID, "status").is_displayed()
+    browser.find_element(By.ID, "token").send_keys("not-the-right-token-at-all", Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "status").is_displayed())
+    browser.find_element(By.ID, "token").send_keys(TOKEN, Keys.ENTER)
+    wait.until(lambda d: d.title == "clip-mini search")
+    assert browser.execute_script("return document.cookie") == ""   # HttpOnly: no script can read the login
+    browser.switch_to.active_element.send_keys(QUERY, Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query") == f"“{QUERY}”")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#results a.hit")) == 24
+    wait.until(lambda d: d.execute_script(
+        "return [...document.querySelectorAll('#results img')].slice(0, 4)"
+        ".every(i => i.complete && i.naturalWidth > 0)"))   # thumbnails load with the cookie too
+    loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert loaded and all(u.startswith(token_server + "/") for u in loaded), loaded

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from clip_mini.cli.common import command_parser, add_device, add_quiet, count
+from clip_mini.cli.common import add_device, add_quiet, check_output_folder, command_parser, count
 
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -32,6 +32,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.alpha <= 1.0:
         raise InputError(f"--alpha must be in [0, 1], got {args.alpha}")
+    check_output_folder(args.out, "--out")
     from clip_mini.runtime.devices import resolve_device
 
     device = resolve_device(args.device)

@@ -44,6 +44,18 @@ def add_device(p: argparse.ArgumentParser) -> None:
                    help="where the model runs (auto: CUDA when available, else CPU)")
 
 
+def check_output_folder(path: str, option: str) -> None:
+    """Refuse an output file whose folder does not exist (rather than creating folders the user never named)."""
+    from pathlib import Path
+
+    folder = Path(path).parent
+    if not folder.is_dir():
+        from clip_mini.errors import InputError
+
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise InputError(f"{option} {path}: the folder {folder} {what} (create it first)")
+
+
 def add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars or info lines (results only)")
 

@@ -46,7 +46,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "clip-mini", commands
     try:
         if argv and argv[0] == "train" and "train" in commands:
             return _train(argv[1:])
-        args = build_parser(prog, commands).parse_args(argv)
+        parser = build_parser(prog, commands)
+        if argv and argv[0] not in commands and argv[0] not in ("-h", "--help", "--version"):
+            parser.error(_misplaced(argv[0], parser, commands))   # exits 2, after the usage line
+        args = parser.parse_args(argv)
         from clip_mini.runtime.allocator import keep_freed_memory
 
         keep_freed_memory()   # embedding passes reuse their batch buffers without page faults (see the module)
@@ -69,6 +72,25 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "clip-mini", commands
             raise
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def _misplaced(first: str, parser: argparse.ArgumentParser, commands: Sequence[str]) -> str:
+    """What to say when ``first`` is not a command: the nearest command for a typo; for an option given before any
+    command, which commands take it (argparse would take the option's value for the command name)."""
+    import difflib
+
+    if not first.startswith("-"):
+        close = difflib.get_close_matches(first, commands, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else f" (commands: {', '.join(commands)})"
+        return f"unknown command '{first}'{hint}"
+    option = first.split("=", 1)[0]
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    takers = [name for name in commands if name in subparsers and option in subparsers[name]._option_string_actions]
+    if takers:
+        return (f"{option} goes after the command it is for: `{parser.prog} {takers[0]} ... {option} ...`"
+                + (f" (also an option of {', '.join(takers[1:])})" if len(takers) > 1 else ""))
+    return (f"{option} is not an option of {parser.prog}: options go after the command (`{parser.prog} COMMAND "
+            f"--help` lists them), e.g. `{parser.prog} search --index INDEX -k 5 \"a red circle\"`")
 
 
 def _train(argv: list[str]) -> int:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from clip_mini.cli.common import command_parser, add_device, add_quiet, positive_int
+from clip_mini.cli.common import add_device, add_quiet, check_output_folder, command_parser, positive_int
 from clip_mini.cli.printing import print_json, print_results
 from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
 
@@ -19,7 +20,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     se.add_argument("--index", required=True, help="index directory")
     se.add_argument("query", nargs="?", help="text query")
     se.add_argument("--image", help="image query (image-to-image search)")
-    se.add_argument("-k", type=positive_int, default=10, help="number of results")
+    se.add_argument("-k", type=positive_int, default=10,
+                    help="number of results (at most the index's size: a larger k lists every image, with a note)")
     se.add_argument("--model", help="model directory (default: the one recorded in the index)")
     se.add_argument("--backend", default="auto", choices=["auto", "exact", "faiss"], help="search back end")
     se.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -35,7 +37,13 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise EmbeddingIndexError("search needs a text query or --image PATH (exactly one)")
     if args.query is not None and not args.query.strip():
         raise EmbeddingIndexError("the text query is empty")
+    if args.grid:
+        check_output_folder(args.grid, "--grid")
     index = EmbeddingIndex.load(args.index, verify=not args.no_verify)
+    if args.backend == "faiss" and "faiss" not in index.manifest["files"]:
+        raise EmbeddingIndexError(f"--backend faiss: {args.index} has no faiss index (it was built without one); "
+                                  "search it with --backend exact (or auto), or store one with "
+                                  "`clip-mini index ... --faiss hnsw`")
     if args.image is not None and not Path(args.image).is_file():
         from clip_mini.embed import InputError
 
@@ -48,6 +56,9 @@ def cmd_search(args: argparse.Namespace) -> int:
                         k=args.k, model_dir=args.model, backend=args.backend, device=args.device)
     results = [{"rank": h["rank"], "score": round(h["score"], 6), "path": h["path"], "caption": h["caption"]}
                for h in hits]
+    if args.k > len(index) and not args.quiet:
+        print(f"note: -k {args.k} is more than the {len(index)} images in {args.index}: listing all of them",
+              file=sys.stderr)
     if args.grid:
         from clip_mini.pictures.draw import result_grid
 

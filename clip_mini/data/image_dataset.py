@@ -50,12 +50,15 @@ class ImageDataset(_ImageSource, Dataset):
     """Each image once, for embedding (evaluation, indexing).
 
     ``__getitem__(i)`` returns ``(pixels, i, ok)``; an unreadable file gives zeros and ``ok=False`` (warned
-    once) so callers drop it instead of losing the whole run.
+    once, unless ``warn`` is False: a caller that reports the skips itself, as indexing does) so callers drop it
+    instead of losing the whole run.
     """
 
-    def __init__(self, paths: Sequence[str], transform: Transform, cache: Optional[ImageCache] = None):
+    def __init__(self, paths: Sequence[str], transform: Transform, cache: Optional[ImageCache] = None,
+                 warn: bool = True):
         super().__init__(transform, cache)
         self.paths = [str(p) for p in paths]
+        self.warn = warn
         self._zeros: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
@@ -85,7 +88,8 @@ class ImageDataset(_ImageSource, Dataset):
         return out
 
     def _failed(self, i: int, err: Exception) -> tuple[torch.Tensor, int, bool]:
-        self._warn(self.paths[i], err)
+        if self.warn:
+            self._warn(self.paths[i], err)
         if self._zeros is None:   # the transform's output shape, whatever the transform is
             self._zeros = torch.zeros_like(self.transform(np.zeros((8, 8, 3), np.uint8)))
         return self._zeros.clone(), i, False

@@ -100,6 +100,10 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
         if progress:
             print(f"eval: no --split given: scoring the {split} split"
                   + ("" if split == "test" else f" ({config} has no test split: data.test is 0)"), file=sys.stderr)
+    if split in ("val", "test") and not (getattr(cfg.data, split) or getattr(cfg.data, f"{split}_list")):
+        # known from the config alone: say so before load_splits checks every image of the dataset
+        raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split)}, no "
+                        f"data.{split}_list); choose another --split or set data.{split}")
     batch_size = batch_size or trained_settings(model_dir).get("eval_batch_size") or cfg.train.eval_batch_size
     df = load_splits(cfg, progress=progress)[split]
     if len(df) == 0:

@@ -46,9 +46,24 @@ class QueryEngine:
 
     def encode_image(self, images: Sequence[Any]) -> np.ndarray:
         """Images as paths, encoded bytes, PIL images or arrays (decoded and preprocessed like the eval transform)."""
+        return unit_rows(self._image_encoder().encode_image(list(images)))
+
+    def image_input_size(self) -> int:
+        """The side of the square the image tower takes (loads the image tower)."""
+        return int(self._image_encoder().preprocess["image_size"])
+
+    def runtime(self) -> dict:
+        """What runs the queries: onnxruntime's version and, per loaded tower, its execution providers."""
+        import onnxruntime
+
+        towers = {name: enc.session.get_providers() for name, enc in (("text", self._text), ("image", self._image))
+                  if enc is not None}
+        return {"runtime": "onnxruntime", "version": onnxruntime.__version__, "towers": towers}
+
+    def _image_encoder(self) -> ImageQueryEncoder:
         if self._image is None:
             self._image = ImageQueryEncoder.load(self.model_dir)
-        return unit_rows(self._image.encode_image(list(images)))
+        return self._image
 
     def check_index(self, index, name: Optional[str] = None) -> None:
         """Refuse an index built by another model."""

@@ -32,7 +32,11 @@ def scan_images(folder: str | Path) -> list[str]:
 def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
                         precision: str = "fp32", progress: bool = True, desc: str = "embedding images",
                         ) -> Iterator[tuple[np.ndarray, np.ndarray, dict[int, str]]]:
-    """Embed image files in batches: yields ``(indices, features (b, d) float32, {index: reason} of failures)``."""
+    """Embed image files in batches: yields ``(indices, features (b, d) float32, {index: reason} of failures)``.
+
+    Failures are the caller's to report (a skip list, a summary line); here they only count on the progress bar,
+    never as Python warnings with a source line.
+    """
     import torch
     from torch.utils.data import DataLoader
     from tqdm import tqdm
@@ -48,8 +52,9 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
     transform = (embedder.transform if forward.input_dtype == torch.float32
                  else build_eval_transform(embedder.model.preprocess, forward.input_dtype))
     # Pinned batches let the copy to a GPU run while the next batch decodes.
-    loader = DataLoader(ImageDataset(paths, transform), batch_size=batch_size, num_workers=workers,
+    loader = DataLoader(ImageDataset(paths, transform, warn=False), batch_size=batch_size, num_workers=workers,
                         shuffle=False, pin_memory=device.type == "cuda", collate_fn=collate_images)
+    skipped = 0
     with tqdm(total=len(paths), desc=desc, unit="img", disable=not progress) as bar, torch.inference_mode():
         for pixels, idx, ok in loader:
             bad = {}
@@ -64,5 +69,8 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
                 feats = forward(pixels).cpu().numpy()
             elif ok.any():
                 feats = forward(pixels[ok]).cpu().numpy()
+            if bad:
+                skipped += len(bad)
+                bar.set_postfix(skipped=skipped, refresh=False)
             bar.update(len(idx))
             yield idx[ok].numpy(), feats, bad

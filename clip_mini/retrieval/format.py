@@ -202,6 +202,9 @@ def writer_lock(path: Path) -> Iterator[None]:
     """
     from filelock import FileLock, Timeout
 
+    if path.exists() and not path.is_dir():
+        raise EmbeddingIndexError(f"index {path} is a file, not a directory: choose a folder for the index (a new "
+                                  "one, or an index to update)")
     path.mkdir(parents=True, exist_ok=True)
     lock = FileLock(path / ".lock", timeout=0)
     try:

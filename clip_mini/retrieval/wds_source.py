@@ -279,10 +279,14 @@ def image_file(items: dict[str, list], row: int) -> str:
     pictures and attention maps) work unchanged."""
     if "shard" not in items:
         return items["path"][row]
+    import re
     import tempfile
 
+    name = items["sha256"][row]
+    if not re.fullmatch(r"[0-9a-f]{64}", name):   # it names the copy: an edited items file must not pick the path
+        raise DataError(f"row {row}: sha256 {name[:80]!r} is not a hex digest")
     folder = Path(tempfile.gettempdir()) / f"clip-mini-shard-images-{os.getuid()}"
-    out = folder / items["sha256"][row]
+    out = folder / name
     if not out.is_file():
         folder.mkdir(mode=0o700, exist_ok=True)
         with atomic_path(out) as tmp:

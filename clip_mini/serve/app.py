@@ -5,11 +5,15 @@
     GET  /thumb/ID?gen=G             JPEG thumbnail of row ID of generation G (default: the current one)
     GET  /image/ID?gen=G             the original file of that row
     GET  /api/attention/ID?gen=G     PNG of the ViT's CLS attention over that image
-    GET  /healthz, /api/info         liveness; model fingerprint, index size, generation, back end
+    GET  /healthz, /api/info         liveness; model fingerprint, index size, generation, back end, towers
     GET  /                           the search page (``static/``: one HTML, one JS, one CSS file, nothing remote)
+    GET  /login, POST /login         the page's login form, when the server has a token (``guards.TokenAuth``)
 
-Files are reachable only through a row id of the loaded index: no parameter is ever used as a path. Every error
-is JSON ``{"error": message}`` with a 4xx status; the model and index are loaded once, in ``create_app``.
+Files are reachable only through a row id of the loaded index, and only when they lie under its image root
+(``Generation.image_file``): no parameter is ever used as a path, and paths in answers are relative to that root.
+Every error is JSON ``{"error": message}`` with a 4xx status (503 when the image pool is full); the model, both
+query towers and the index are loaded in ``Service``, the attention model in the background once the app starts.
+Text queries and image queries run on separate threads (``admission``), so uploads never hold up text search.
 """
 from __future__ import annotations
 
@@ -17,27 +21,34 @@ import asyncio
 import base64
 import binascii
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from clip_mini.data.images import ImageError
-from clip_mini.embed import InputError
+from clip_mini.errors import InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
+from clip_mini.serve.admission import BoundedPool, Busy
 from clip_mini.serve.batching import SearchBatcher
-from clip_mini.serve.generations import Generation, IndexWatcher, uses_faiss
+from clip_mini.serve.generations import Generation, IndexWatcher, NotServed, uses_faiss
+from clip_mini.serve.guards import SESSION_COOKIE, HostCheck, SecurityHeaders, TokenAuth, session_value, \
+    token_matches
 from clip_mini.serve.limits import BodyTooLarge, LimitBody
-from clip_mini.serve.pictures import AttentionRenderer, decode_upload, original, thumbnail_jpeg
+from clip_mini.serve.pictures import UPLOAD_MAX_PIXELS, AttentionRenderer, decode_upload, original, thumbnail_jpeg
+
+log = logging.getLogger("clip_mini.serve")
 
 STATIC = Path(__file__).parent / "static"
 # The page may load only what this server serves: proof that nothing comes from a CDN, and no injected script runs.
@@ -55,16 +66,30 @@ class ServeConfig:
     max_query_chars: int = 1000             # captions are truncated to a few dozen tokens anyway
     max_k: int = 100
     max_upload_bytes: int = 10 << 20        # the image itself; a base64 JSON body may be 4/3 of this
+    max_upload_pixels: int = UPLOAD_MAX_PIXELS
     float32_cache_bytes: int = 2 << 30      # float32 copy of the rows for exact search up to this size
     device: str = "auto"                    # the torch model (attention maps); queries run in onnxruntime on the CPU
-    encode_threads: int = 2                 # threads embedding queries (onnxruntime and Pillow release the GIL)
+    encode_threads: int = 2                 # threads embedding text queries (onnxruntime releases the GIL)
+    image_threads: int = 1                  # threads decoding and embedding image queries: one core at most
+    image_queue: int = 4                    # image queries admitted at once (running or waiting); more get 503
     allowed_hosts: list[str] = field(default_factory=lambda: ["*"])
+    token: Optional[str] = None             # when set, every route but /healthz and /login needs it
+    preload_attention: bool = True          # load the attention model in the background at start
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: Optional[dict] = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
+
+
+class Upload(NamedTuple):
+    """An image query as received: the image bytes (multipart), or the raw JSON body still to be parsed."""
+
+    data: bytes
+    name: str
+    k: int
+    is_json: bool = False
 
 
 class Service:
@@ -81,12 +106,17 @@ class Service:
             raise EmbeddingIndexError(f"index {index_dir} does not record its model: pass --model DIR")
         self.model_dir = str(model_dir)
         self.engine = QueryEngine.load(self.model_dir)
-        self.engine.encode_text(["warm up"])   # loads and checksums the text tower now, not on the first query
+        # Both towers load and checksum now, not on the first query of each kind.
+        self.engine.encode_text(["warm up"])
+        self.engine.encode_image([np.zeros((8, 8, 3), np.uint8)])
+        self.image_size = self.engine.image_input_size()
         self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify,
                                     cfg.float32_cache_bytes)
         self.batcher = SearchBatcher(lambda: self.watcher.current, lambda gen, q, k: gen.search(q, k))
-        self._pool = ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="clip-mini-encode")
+        self._text_pool = ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="clip-mini-text")
+        self.image_pool = BoundedPool(cfg.image_threads, cfg.image_queue, "image")
         self.attention = AttentionRenderer(self.model_dir, cfg.device)
+        self._refused: set[str] = set()   # files already logged as not served
 
     # -- search ---------------------------------------------------------------------------------------------
     def check_k(self, k: int) -> int:
@@ -101,16 +131,28 @@ class Service:
             raise ApiError(400, f"the query is {len(q)} characters long; the limit is {self.cfg.max_query_chars}")
         self.check_k(k)
         start = time.perf_counter()
-        features = await self._in_pool(self._encode_text, q)
+        # A fixed pool of encoder threads, not one thread per waiting request (anyio's pool has 40): more threads
+        # than cores only contend for them and for the GIL.
+        features = await asyncio.get_running_loop().run_in_executor(self._text_pool, self._encode_text, q)
         return await self._results(features, k, start, {"query": q})
 
-    async def search_image(self, data: bytes, k: int, name: str) -> dict:
+    async def search_image(self, upload: Upload) -> dict:
+        """Parse, decode and embed an upload on the image pool (503 when it is full), then search."""
+        if not upload.is_json:
+            self.check_k(upload.k)
+        start = time.perf_counter()
+        try:
+            features, k, name = await self.image_pool.run(self._encode_upload, upload)
+        except Busy as e:
+            raise ApiError(503, str(e), {"Retry-After": str(e.retry_after)}) from None
+        return await self._results(features, k, start, {"query": None, "image": name})
+
+    def _encode_upload(self, upload: Upload) -> tuple[np.ndarray, int, str]:
+        data, name, k = _parse_json_upload(upload.data, upload.k) if upload.is_json else upload[:3]
         self.check_k(k)
         if len(data) > self.cfg.max_upload_bytes:
             raise ApiError(413, f"the image is {len(data)} bytes; the limit is {self.cfg.max_upload_bytes}")
-        start = time.perf_counter()
-        features = await self._in_pool(self._encode_image, data, name)
-        return await self._results(features, k, start, {"query": None, "image": name})
+        return self._encode_image(data, name), k, name
 
     def _encode_text(self, q: str) -> np.ndarray:
         try:
@@ -120,17 +162,13 @@ class Service:
 
     def _encode_image(self, data: bytes, name: str) -> np.ndarray:
         try:
-            return self.engine.encode_image([decode_upload(data, name)])
+            pixels = decode_upload(data, name, min_size=self.image_size, max_pixels=self.cfg.max_upload_pixels)
+            return self.engine.encode_image([pixels])
         except ImageError as e:
             status = 413 if "pixels" in e.reason else 415 if e.reason.startswith("not an image") else 422
             raise ApiError(status, str(e)) from None
         except InputError as e:
             raise ApiError(422, str(e)) from None
-
-    async def _in_pool(self, fn, *args):
-        # A fixed pool of encoder threads, not one thread per waiting request (anyio's pool has 40): more threads
-        # than cores only contend for them and for the GIL. (Measured as a wash under a load of 11-14 on 2 cores.)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _results(self, features: np.ndarray, k: int, start: float, head: dict) -> dict:
         # One generation for the whole answer: ids, paths and scores agree (the batcher searched that one).
@@ -138,7 +176,7 @@ class Service:
         index = gen.index
         results = []
         for rank, (i, s) in enumerate(((int(i), float(s)) for i, s in zip(ids, scores) if i >= 0), 1):
-            hit = {"rank": rank, "id": i, "path": index.items["path"][i], "score": round(s, 6)}
+            hit = {"rank": rank, "id": i, "path": gen.shown_path(i), "score": round(s, 6)}
             if index.items["caption"][i]:
                 hit["caption"] = index.items["caption"][i]
             links = f"{i}?gen={gen.number}"
@@ -156,9 +194,13 @@ class Service:
         n = len(generation.index)
         if not 0 <= row < n:
             raise ApiError(404, f"no image with id {row} in generation {generation.number} (ids are 0..{n - 1})")
-        from clip_mini.retrieval.wds_source import image_file   # a WebDataset row: a copy read from its shard
-
-        return image_file(generation.index.items, row)
+        try:
+            return generation.image_file(row)
+        except NotServed as e:   # the reason names server paths: the log gets it, the client does not
+            if str(e) not in self._refused and len(self._refused) < 10_000:
+                self._refused.add(str(e))
+                log.warning("not serving image %d of generation %d: %s", row, generation.number, e)
+            raise ApiError(404, f"image {row} is not available") from None
 
     def picture(self, kind: str, row: int, gen: Optional[int]) -> Response:
         path = self.row_path(row, gen)
@@ -176,16 +218,26 @@ class Service:
             raise ApiError(404, f"image {row} cannot be read now: {e.reason}") from None
 
     def info(self) -> dict:
+        """What is served and how, naming no absolute path (directories by name only)."""
         gen = self.watcher.current
-        return {"model_dir": self.model_dir, "model_fingerprint": self.engine.fingerprint,
-                "index": str(gen.index.path), "index_size": len(gen.index), "dim": gen.index.dim,
-                "generation": gen.number, "loaded_at": gen.loaded_at, "reload_error": self.watcher.reload_error,
-                "backend": {"query_encoder": type(self.engine).__name__,
+        reload_error = self.watcher.reload_error
+        if reload_error:
+            reload_error = reload_error.replace(str(Path(self.cfg.index).resolve()), Path(self.cfg.index).name)
+        return {"model": Path(self.model_dir).name, "model_fingerprint": self.engine.fingerprint,
+                "index": Path(self.cfg.index).resolve().name, "index_size": len(gen.index), "dim": gen.index.dim,
+                "generation": gen.number, "loaded_at": gen.loaded_at, "reload_error": reload_error,
+                "towers": {"text": "loaded", "image": "loaded", "attention": self.attention.state},
+                "backend": {"query_encoder": self.engine.runtime(), "attention": "torch",
                             "search": "faiss" if uses_faiss(gen.index) else "exact",
                             "float32_rows_in_memory": gen.rows32 is not None,
-                            "batches": self.batcher.batches, "batched_queries": self.batcher.queries},
+                            "batches": self.batcher.batches, "batched_queries": self.batcher.queries,
+                            "image_queries_in_flight": self.image_pool.admitted,
+                            "image_queries_refused": self.image_pool.refused},
                 "limits": {"max_k": self.cfg.max_k, "max_query_chars": self.cfg.max_query_chars,
-                           "max_upload_bytes": self.cfg.max_upload_bytes}}
+                           "max_upload_bytes": self.cfg.max_upload_bytes,
+                           "max_upload_pixels": self.cfg.max_upload_pixels,
+                           "image_threads": self.cfg.image_threads, "image_queue": self.cfg.image_queue},
+                "auth": "token" if self.cfg.token else "none"}
 
 
 _CACHE = {"Cache-Control": "private, max-age=3600"}   # safe: a (row, generation) pair never changes meaning
@@ -196,13 +248,13 @@ def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
     """Load the model and index (or use ``service``) and build the app; the watcher polls while the app runs."""
     from contextlib import asynccontextmanager
 
-    from starlette.middleware.trustedhost import TrustedHostMiddleware
-
     svc = service or Service(cfg)
 
     @asynccontextmanager
     async def lifespan(app):
         svc.watcher.start()
+        if cfg.preload_attention:
+            svc.attention.load_in_background()
         try:
             yield
         finally:
@@ -210,90 +262,128 @@ def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
 
     app = FastAPI(title="clip-mini", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = svc
-    # Base64 JSON is 4/3 of the image; multipart adds a few headers.
+    # Base64 JSON is 4/3 of the image; multipart adds a few headers. Added last = runs first: the headers wrap every
+    # answer, then the Host check, the token, and only then is a body read.
     app.add_middleware(LimitBody, max_bytes=cfg.max_upload_bytes * 4 // 3 + (64 << 10))
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=cfg.allowed_hosts)
+    if cfg.token:
+        app.add_middleware(TokenAuth, token=cfg.token)
+    app.add_middleware(HostCheck, allowed=cfg.allowed_hosts)
+    app.add_middleware(SecurityHeaders)
     _error_handlers(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    get = lambda path: app.api_route(path, methods=["GET", "HEAD"])   # noqa: E731 (FastAPI adds no HEAD itself)
 
-    @app.get("/", include_in_schema=False)
+    @get("/")
     def page():
         return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_CSP})
 
-    @app.get("/healthz")
+    @get("/login")
+    def login_form():
+        if not cfg.token:
+            return RedirectResponse("/", status_code=303)
+        return FileResponse(STATIC / "login.html", headers={"Content-Security-Policy": PAGE_CSP})
+
+    @app.post("/login")
+    async def login(request: Request):
+        if not cfg.token:
+            return RedirectResponse("/", status_code=303)
+        form = await request.form(max_files=0, max_fields=4)
+        given = form.get("token")
+        if not isinstance(given, str) or not token_matches(given, cfg.token):
+            page = (STATIC / "login.html").read_text(encoding="utf-8")
+            page = page.replace('class="error" hidden>', 'class="error">')   # shows "not the server's token"
+            return HTMLResponse(page, status_code=401, headers={"Content-Security-Policy": PAGE_CSP})
+        answer = RedirectResponse("/", status_code=303)
+        answer.set_cookie(SESSION_COOKIE, session_value(cfg.token), httponly=True, samesite="strict", path="/")
+        return answer
+
+    @get("/healthz")
     def healthz():
         return {"ok": True, "generation": svc.watcher.current.number}
 
-    @app.get("/api/info")
+    @get("/api/info")
     def info():
         return svc.info()
 
-    @app.get("/api/search")
+    @get("/api/search")
     async def search(q: Optional[str] = None, k: int = 10):
         return JSONResponse(await svc.search_text(q, k))   # plain JSON types: no response-model pass needed
 
     @app.post("/api/search/image")
     async def search_image(request: Request, k: int = 10):
-        data, name, k = await _read_upload(request, k)
-        return JSONResponse(await svc.search_image(data, k, name))
+        return JSONResponse(await svc.search_image(await _read_upload(request, k)))
 
-    @app.get("/thumb/{row}")
+    @get("/thumb/{row}")
     def thumb(row: int, gen: Optional[int] = None):
         return svc.picture("thumb", row, gen)
 
-    @app.get("/image/{row}")
+    @get("/image/{row}")
     def image(row: int, gen: Optional[int] = None):
         return svc.picture("image", row, gen)
 
-    @app.get("/api/attention/{row}")
+    @get("/api/attention/{row}")
     def attention(row: int, gen: Optional[int] = None):
         return svc.picture("attention", row, gen)
 
     return app
 
 
-async def _read_upload(request: Request, k: int) -> tuple[bytes, str, int]:
-    """The image bytes of a multipart (field ``file``) or JSON (``{"image": base64, "k": K}``) request."""
+async def _read_upload(request: Request, k: int) -> Upload:
+    """The image of a multipart (field ``file``) request, or a JSON body (``{"image": base64, "k": K}``) left
+    for the image pool to parse (``_parse_json_upload``): base64 of a large image is not decoded on the event loop.
+    """
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         form = await request.form(max_files=1, max_fields=8)
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "multipart upload needs a file field named 'file'")
-        return await upload.read(), upload.filename or "upload", k
+        return Upload(await upload.read(), upload.filename or "upload", k)
     if ctype == "application/json":
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict) or not isinstance(body.get("image"), str):
-            raise ApiError(400, 'JSON body must be {"image": "<base64 image>", "k": K}')
-        text = body["image"]
-        if text.startswith("data:"):   # a data URL as FileReader.readAsDataURL gives it
-            text = text.partition(",")[2]
-        try:
-            data = base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise ApiError(400, f"image is not valid base64: {e}") from None
-        k = body.get("k", k)
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise ApiError(400, f"k must be an integer, got {k!r}")
-        return data, str(body.get("name") or "upload")[:200], k
+        return Upload(await request.body(), "upload", k, is_json=True)
     raise ApiError(415, f"send the image as multipart/form-data (field 'file') or application/json, not "
                         f"{ctype or 'no content type'}")
 
 
+def _parse_json_upload(raw: bytes, k: int) -> tuple[bytes, str, int]:
+    """The image bytes, name and k of a JSON upload ``{"image": base64 or a data URL, "k": K, "name": N}``."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("image"), str):
+        raise ApiError(400, 'JSON body must be {"image": "<base64 image>", "k": K}')
+    text = body["image"]
+    if text.startswith("data:"):   # a data URL as FileReader.readAsDataURL gives it
+        text = text.partition(",")[2]
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ApiError(400, f"image is not valid base64: {e}") from None
+    k = body.get("k", k)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ApiError(400, f"k must be an integer, got {k!r}")
+    return data, str(body.get("name") or "upload")[:200], k
+
+
 def _error_handlers(app: FastAPI) -> None:
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
+    def error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        return error(e.status, e.message)
+        return error(e.status, e.message, e.headers)
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request, e: BodyTooLarge):
         return error(413, str(e))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request, e: ClientDisconnect):
+        # Nobody is listening for the answer; one line instead of the traceback Starlette would log.
+        log.info("client %s left before sending all of %s %s", request.client.host if request.client else "?",
+                 request.method, request.url.path)
+        return Response(status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def bad_parameter(request, e: RequestValidationError):

@@ -12,14 +12,20 @@ searches the same rows thousands of times, so each generation keeps a float32 co
 ``float32_cache_bytes`` (100k rows of 128 floats: 51 MB) and scores it with one product. Conversion is exact: the
 scores are the library's.
 
+Files are served only from inside the index's image root (``Generation.image_file``): the items file and its
+checksums detect damage, not tampering, so a row rewritten to name any other file on the disk must not make the
+server read it. Paths are shown relative to that root, so answers don't reveal where the photos live.
+
 Row ids are only meaningful within a generation (an added file shifts the rows after it), so the previous
 generation is kept too: a page that got ``/thumb/12?gen=3`` from a search just before a reload still gets the
 image it was shown.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 from clip_mini.retrieval import search as S
-from clip_mini.retrieval.format import EmbeddingIndexError
+from clip_mini.retrieval.format import EmbeddingIndexError, items_root
 from clip_mini.retrieval.index import EmbeddingIndex
 
 log = logging.getLogger("clip_mini.serve")
@@ -44,6 +50,8 @@ class Generation:
     stamp: tuple   # (inode, mtime_ns, size) of manifest.json when this generation was read
     loaded_at: float
     rows32: Optional[np.ndarray] = None   # float32 copy of the rows for exact search, when it fits the cache
+    root: str = "/"        # the folder the rows' images lie in, as the index records it (paths are shown from here)
+    real_root: str = "/"   # the same, symlinks resolved: what a served file must lie under
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``index.search`` (back end "auto"), on the float32 copy when there is one."""
@@ -54,6 +62,57 @@ class Generation:
     @property
     def number(self) -> int:
         return int(self.index.manifest["generation"])
+
+    def shown_path(self, row: int) -> str:
+        """Row ``row``'s path relative to the image root (``"shard.tar#key"`` for a WebDataset row)."""
+        return os.path.relpath(self.index.items["path"][row], self.root)
+
+    def image_file(self, row: int) -> str:
+        """The file to read row ``row``'s image from: its own file, or (a WebDataset row) a copy read out of its
+        shard. Either must resolve (symlinks followed) to a regular file under ``real_root``.
+
+        Raises:
+            NotServed: the file lies elsewhere, is no regular file, or is gone; the message says which.
+        """
+        items = self.index.items
+        source = items["shard"][row] if "shard" in items else items["path"][row]
+        real = os.path.realpath(source)
+        if os.path.commonpath([real, self.real_root]) != self.real_root:
+            raise NotServed(f"{source} resolves to {real}, outside the index's image root {self.real_root}")
+        try:
+            mode = os.stat(real).st_mode
+        except OSError as e:
+            raise NotServed(f"{source}: {e.strerror or e}") from None
+        if not stat.S_ISREG(mode):
+            raise NotServed(f"{source} is not a regular file")
+        if "shard" not in items:
+            return real
+        from clip_mini.data.readers import DataError
+        from clip_mini.retrieval.wds_source import image_file   # a copy read from the shard by offset
+
+        member = {"shard": [real], **{c: [items[c][row]] for c in ("offset", "length", "sha256")}}
+        try:
+            return image_file(member, 0)
+        except DataError as e:
+            raise NotServed(str(e)) from None
+
+
+class NotServed(Exception):
+    """A row's image is not served: outside the image root, not a regular file, or unreadable (logged, 404)."""
+
+
+def image_roots(index: EmbeddingIndex) -> tuple[str, str]:
+    """The folder the index's images lie in, as recorded and with symlinks resolved.
+
+    Format 2 indexes record it in the manifest; for a format 1 index (absolute paths only) it is the deepest folder
+    holding every row, which only keeps rows within the folders the index spans.
+    """
+    root = items_root(index.manifest, index.path)
+    if root is None:
+        paths = index.items["shard"] if "shard" in index.items else index.items["path"]
+        root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths]) if paths else "/"
+    root = os.path.normpath(os.path.abspath(root))
+    return root, os.path.realpath(root)
 
 
 class IndexWatcher:
@@ -90,7 +149,7 @@ class IndexWatcher:
         rows32 = None
         if not uses_faiss(index) and len(index) * index.dim * 4 <= self.float32_cache_bytes:
             rows32 = np.asarray(index.embeddings, dtype=np.float32)
-        return Generation(index, stamp, time.time(), rows32)
+        return Generation(index, stamp, time.time(), rows32, *image_roots(index))
 
     def generation(self, number: Optional[int]) -> Optional[Generation]:
         """The current generation (``number`` None) or a recent one by number; None once it has been dropped."""
@@ -116,7 +175,7 @@ class IndexWatcher:
                 return False
             self.reload_error, self._failed_stamp = None, None
             if new.number == self.current.number:   # the same generation re-published (e.g. touched): keep rows
-                self.current = Generation(self.current.index, stamp, self.current.loaded_at, self.current.rows32)
+                self.current = dataclasses.replace(self.current, stamp=stamp)
                 return False
             recent = {n: g for n, g in self._recent.items() if n != new.number}
             recent[new.number] = new

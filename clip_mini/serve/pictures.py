@@ -25,8 +25,9 @@ _BROWSER_TYPES = {"JPEG": "image/jpeg", "MPO": "image/jpeg", "PNG": "image/png",
                   "WEBP": "image/webp", "BMP": "image/bmp"}
 # Uploads: the formats a browser can send; never the full Pillow list (EPS would run Ghostscript).
 UPLOAD_FORMATS = ["JPEG", "PNG", "GIF", "WEBP", "BMP"]
-# 40 MP: any phone photo, and at most ~120 MB decoded per concurrent upload.
-UPLOAD_MAX_PIXELS = 40_000_000
+# 36 MP (6000x6000; was 40): any phone photo; one decode holds at most ~144 MB (Pillow keeps RGB as 4 bytes a
+# pixel) and the server's image pool decodes one at a time. The working copy is then reduced (``reduced``).
+UPLOAD_MAX_PIXELS = 36_000_000
 
 
 def _file_key(path: str) -> tuple:
@@ -71,13 +72,23 @@ def original(path: str) -> tuple[bytes, str]:
     return buf.getvalue(), "image/png"
 
 
-def decode_upload(data: bytes, name: str = "upload") -> Image.Image:
-    """An uploaded query image as an RGB PIL image (EXIF rotation applied, pixel count limited)."""
+def decode_upload(data: bytes, name: str = "upload", min_size: Optional[int] = None,
+                  max_pixels: int = UPLOAD_MAX_PIXELS) -> np.ndarray:
+    """An uploaded query image as an (H, W, 3) uint8 RGB array (EXIF rotation applied, pixel count limited).
+
+    With ``min_size`` (the model's input side) the image is decoded at reduced scale: a JPEG by libjpeg itself
+    (``draft``), any other format decoded and then box-reduced by an integer factor before it becomes an array,
+    never below twice ``min_size`` on its shorter side. A query needs a few hundred pixels a side; without this a
+    6000x6000 PNG, 35 KB on the wire, became a gigabyte of float arrays in the eval transform's resize.
+    """
     if not data:
         raise ImageError(name, "empty upload (0 bytes)")
     try:
         with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as im:
-            return Image.fromarray(load_image(im, max_pixels=UPLOAD_MAX_PIXELS))
+            w, h = im.size   # from the header: nothing is decoded before this check
+            if w * h > max_pixels:
+                raise ImageError(name, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
+            return load_image(reduced(im, min_size) if min_size else im, max_pixels=max_pixels)
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -88,21 +99,62 @@ def decode_upload(data: bytes, name: str = "upload") -> Image.Image:
         raise ImageError(name, f"cannot decode: {type(e).__name__}: {e}") from None
 
 
+# Modes whose values are not intensities (palette indices, 1-bit) or that ``reduce`` refuses: converted first.
+_BEFORE_REDUCE = {"1": "L", "P": "RGB", "PA": "RGBA", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
+
+
+def reduced(im: Image.Image, min_size: int) -> Image.Image:
+    """``im`` decoded at the smallest scale that keeps its shorter side at least ``2 * min_size``.
+
+    A JPEG is decoded at 1/2, 1/4 or 1/8 scale by libjpeg (``draft``); then any image whose shorter side is at
+    least four times ``min_size`` is box-averaged by an integer factor (``Image.reduce``), so
+    the eval transform's own resize only sees a few hundred pixels a side. Box averaging followed by that area
+    resize is area averaging, up to rounding, so the query embedding is the full decode's to within that. The
+    result keeps the file's EXIF (Pillow copies ``info``), so ``load_image`` still turns it upright.
+    """
+    target = 2 * min_size
+    if im.format == "JPEG":
+        im.draft(None, (target, target))
+    factor = min(im.size) // target
+    if factor < 2:
+        return im
+    if im.mode in _BEFORE_REDUCE:
+        im = im.convert("RGBA" if im.mode == "P" and "transparency" in im.info else _BEFORE_REDUCE[im.mode])
+    return im.reduce(factor)
+
+
 class AttentionRenderer:
-    """PNG overlays of the ViT's CLS attention (mean over heads and layers), from the torch model, loaded on first
-    use (the search path never needs torch)."""
+    """PNG overlays of the ViT's CLS attention (mean over heads and layers), from the torch model.
+
+    Loading it imports torch (seconds), which the search path never needs: the server starts it in the background
+    (``load_in_background``) and ``/api/info`` reports ``state``; a request that arrives first waits for it.
+    """
 
     def __init__(self, model_dir: str, device: str = "auto"):
         self.model_dir, self.device = model_dir, device
         self._embedder = None
         self._lock = threading.Lock()
+        self.state = "not loaded"   # -> "loading" -> "loaded", or "failed: why"
+
+    def load_in_background(self) -> None:
+        if self._embedder is None:
+            self.state = "loading"
+            threading.Thread(target=self._load_logged, name="clip-mini-attention-load", daemon=True).start()
+
+    def _load_logged(self) -> None:
+        try:
+            self._model()
+        except Exception as e:   # the request that needs the model gets the error; here it is reported
+            self.state = f"failed: {type(e).__name__}: {e}"
 
     def _model(self):
         with self._lock:
             if self._embedder is None:
-                from clip_mini.embed import load
+                self.state = "loading"
+                from clip_mini.embed import Embedder
 
-                self._embedder = load(self.model_dir, device=self.device)
+                self._embedder = Embedder.load(self.model_dir, device=self.device)
+                self.state = "loaded"
         return self._embedder
 
     def unavailable(self) -> Optional[str]:

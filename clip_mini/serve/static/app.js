@@ -17,6 +17,10 @@ async function callApi(url, options) {
   } catch (err) {
     throw new Error(`the server cannot be reached (${err.message})`);
   }
+  if (response.status === 401) {   // a server with a token, and this browser's login is gone: log in again
+    location.assign("/login");
+    throw new Error("log in to search");
+  }
   const body = await response.json().catch(() => ({ error: `HTTP ${response.status}` }));
   if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
   return body;
