@@ -190,14 +190,15 @@ def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, tor
 
 
 def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int, run: Path, cache,
-                    device: torch.device, augment=None, write: bool = True):
+                    device: torch.device, augment=None, write: bool = True, only: Optional[list[int]] = None):
     """Features of a split and its ``(N,)`` readable mask: each view read from
     ``frozen_features/{split}-view{v}.safetensors`` when its key matches, else computed (and stored, if ``write``).
 
     Returns:
         ``(features, ok)``: features a ``(views, N, D)`` tensor of tower outputs, or under
         ``model.vision.trainable_blocks: k > 0`` a list of ``views`` ``(N, T, D)`` token-state tensors,
-        memory-mapped from their files (a stored view is never loaded whole).
+        memory-mapped from their files (a stored view is never loaded whole). With ``only``: just those views
+        are read or computed and stored, and None is returned (a rank's share of the pass, ``prepare``).
     """
     from clip_mini.data import build_eval_transform
     from clip_mini.fileio.atomic import write_keyed_tensors
@@ -206,7 +207,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
     blocks = token_blocks(cfg)
     digest = inputs_digest(cfg, paths, frozen_state(model.visual, cfg), model.preprocess)
     dataset, tower, features, ok_all = None, None, [], torch.ones(len(paths), dtype=torch.bool)
-    for view in range(views):
+    for view in range(views) if only is None else only:
         key = features_key(digest, cfg, view)
         path = run / "frozen_features" / f"{split}-view{view}.safetensors"
         got = _read_view(path, key, len(paths))
@@ -227,6 +228,8 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
                     got = _read_view(path, key, len(paths)) or got
         features.append(got[0])
         ok_all &= got[1]
+    if only is not None:
+        return None
     return (features if blocks else torch.stack(features)), ok_all
 
 
@@ -276,23 +279,30 @@ class FeatureCollate:
 
 
 def prepare(model, cfg: Config, splits: dict[str, pd.DataFrame], run: Path, cache, device: torch.device,
-            is_main: bool, barrier) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{"train": ((N views, I, D), ok), "val": ((I, D), ok)}``; rank 0 computes and stores, then the others read."""
+            is_main: bool, barrier, rank: int = 0, world_size: int = 1) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{"train": ((N views, I, D), ok), "val": ((I, D), ok)}``.
+
+    Distributed, the views (the train views and the val view) are dealt out to the ranks in turn: each computes
+    and stores its own on its own device, all wait (``barrier``, a long-wait group: a view of a large split takes
+    as long as it takes), then every rank reads every view from the files. One process computes them all.
+    """
     from clip_mini.data import build_train_transform
     from clip_mini.train.inputs import SeededAugment
 
     views = cfg.train.frozen_features
     augment = SeededAugment(build_train_transform(model.preprocess, cfg.data)) if views > 1 else None
-    out = {}
-    for rank_turn in (True, False):   # rank 0 first; then, after the barrier, everyone else (finding the files)
-        if is_main == rank_turn:
-            out["train"] = load_or_compute(model, cfg, splits["train"], "train", views, run, cache, device,
-                                           augment, write=is_main)
-            val, ok = load_or_compute(model, cfg, splits["val"], "val", 1, run, cache, device, write=is_main)
-            out["val"] = (val[0], ok)   # (N, D) or (N, T, D): the one eval view
-        if rank_turn:
-            barrier()
-    return out
+    if world_size > 1:
+        jobs = [("train", v) for v in range(views)] + [("val", 0)]
+        mine = [job for i, job in enumerate(jobs) if i % world_size == rank]
+        for split, n in (("train", views), ("val", 1)):
+            only = [v for s, v in mine if s == split]
+            if only:
+                load_or_compute(model, cfg, splits[split], split, n, run, cache, device,
+                                augment if split == "train" else None, write=True, only=only)
+        barrier()
+    train = load_or_compute(model, cfg, splits["train"], "train", views, run, cache, device, augment, write=is_main)
+    val, ok = load_or_compute(model, cfg, splits["val"], "val", 1, run, cache, device, write=is_main)
+    return {"train": train, "val": (val[0], ok)}   # val: (N, D) or (N, T, D), the one eval view
 
 
 def build_frozen_train_inputs(cfg: Config, df: pd.DataFrame, features: torch.Tensor, ok: torch.Tensor, tokenizer,

@@ -26,7 +26,8 @@ from clip_mini.train import text_cache
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
                                    warn_config_changes)
-from clip_mini.train.distributed import all_min, barrier, cleanup, default_threads, init_distributed
+from clip_mini.train.distributed import (all_min, barrier, cleanup, default_threads, gather, init_distributed,
+                                         rank_seed)
 from clip_mini.eval.validation import evaluate_model
 from clip_mini.train.inputs import build_train_inputs, load_splits, make_image_cache
 from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_table, write_curves
@@ -47,7 +48,7 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
     """
     check_train_config(cfg)
     owns_group = not torch.distributed.is_initialized()
-    info = init_distributed()
+    info = init_distributed(cfg.train.device)
     with ExitStack() as stack:
         if owns_group:
             stack.callback(cleanup)
@@ -89,6 +90,10 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         except (RuntimeError, ValueError, KeyError) as e:
             raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
                                           f"differ; see the warning above): {e}") from None
+    # every rank built the same weights from one seed; from here on each rank draws its own dropout, drop-path and
+    # patch-drop masks (rank 0 keeps the stream of a single process); a resume restores each rank's own state below
+    if info.rank:
+        _seed_all(rank_seed(t.seed, info.rank))
     features = FeatureModel(model)
     if info.distributed:
         features = torch.nn.parallel.DistributedDataParallel(
@@ -107,7 +112,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         from clip_mini.train import frozen as frozen_io
 
         with clock("feature_pass"):
-            frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier)
+            frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier,
+                                             info.rank, info.world_size)   # the views split over the ranks
         inputs = frozen_io.build_frozen_train_inputs(cfg, splits["train"], *frozen_feats["train"], model.tokenizer,
                                                      model.cfg.text.max_length, info.rank, info.world_size)
     else:
@@ -138,7 +144,9 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
             state.update({k: ckpt[k] for k in state})
         except KeyError as e:
             raise ckpt_io.CheckpointError(f"{ckpt_path} lacks the training state {e}") from None
-        ckpt_io.set_rng_state(ckpt["rng"])   # last: building the model above drew from the RNG
+        rng = ckpt_io.rank_rng(ckpt, info.rank, info.world_size)   # this rank's own (CPU and GPU) state
+        if rng is not None:
+            ckpt_io.set_rng_state(rng, device)   # last: building the model above drew from the RNG
         log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
     if main:
         print(f"train: {len(splits['train'])} captions / {splits['train']['image_id'].nunique()} images, "
@@ -147,17 +155,20 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int]) 
         if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
             with clock("evaluation"):
                 _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0, frozen_feats)
+    barrier()   # the other ranks wait here (long-wait group), not in the first step's all_gather
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
     @clock.timed("checkpoints")
     def save_state() -> None:
         saved_at[0] = state["step"]
+        rngs = gather(ckpt_io.rng_state(device))   # every rank's own random state, for each to resume its own
         if main:
             ckpt_io.save_checkpoint(run / "checkpoints", {
                 **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": ckpt_io.rng_state(), "config": cfg.to_dict(), "total_steps": total,
+                "rng": rngs[0], "rng_ranks": rngs, "config": cfg.to_dict(), "total_steps": total,
                 **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}, t.keep_checkpoints)
+        barrier()   # a slow write on rank 0 is waited for here, not in the next step's collectives
 
     params = [p for p in model.parameters() if p.requires_grad]
     # fp16 needs loss scaling (its range underflows small gradients); disabled, the scaler passes everything through
@@ -326,6 +337,17 @@ class _Clock:
         out["other_s"] = total_s - sum(self.seconds.values())
         out["total_s"] = total_s
         return out
+
+
+def _seed_all(seed: int) -> None:
+    """Seed every generator a step may draw from: torch's (CPU and every GPU), numpy's and Python's."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def _skip_step(state: dict, loss: torch.Tensor, grad_norm: torch.Tensor, max_bad: int, main: bool) -> None:
