@@ -131,6 +131,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"   # fp16: with a GradScaler, for GPUs without bf16
+    # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda (cuda:LOCAL_RANK under torchrun) or
+    # cuda:N (one process); bit-exact resume is a CPU property (GPU kernels may sum in varying order)
+    device: str = "auto"
     seed: int = 0
     threads: Optional[int] = None
     log_every: int = 10

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from clip_mini.runtime.devices import DeviceArg, resolve_device, to_device
+from clip_mini.runtime.devices import DeviceArg, resolve_device, to_device, use_device
 from clip_mini.errors import InputError
 from clip_mini.runtime.precision import autocast
 
@@ -42,7 +42,8 @@ class Embedder:
                  model_dir: Optional[str | Path] = None):
         if precision not in ("fp32", "bf16", "fp16"):
             raise InputError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
-        self.device = resolve_device(device)
+        # the current CUDA device too, before the model copy or any pinned batch opens a context on GPU 0
+        self.device = use_device(resolve_device(device))
         self.model = model.to(self.device).eval()
         self.batch_size = _positive(batch_size, "batch_size")
         self.precision = precision

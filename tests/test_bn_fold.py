@@ -52,7 +52,38 @@ class _Misordered(nn.Module):
 def test_fold_refuses_when_the_folded_copy_disagrees():
     model = _Misordered().eval()
     _randomise_bn(model)
-    assert fold_batchnorm(model, torch.randn(2, 4, 8, 8)) is model
+    with pytest.warns(RuntimeWarning, match="BatchNorm folding of _Misordered refused"):
+        assert fold_batchnorm(model, torch.randn(2, 4, 8, 8)) is model
+
+
+class _Recorder(nn.Module):
+    """Identity that records the TF32 settings each forward ran under."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
+        return x
+
+
+def test_fold_checks_parity_with_tf32_off_and_restores_the_settings():
+    # On a GPU TF32 is on for every pass (runtime.devices.enable_tf32); the check must not run under it, or its
+    # 10-bit mantissa exceeds the 1e-4 tolerance and every fold is refused. A CPU shows the flags being switched.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), _Recorder()).eval()
+    _randomise_bn(model)
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        folded = fold_batchnorm(model, torch.randn(2, 3, 8, 8))
+        assert folded is not model
+        assert model[2].seen == [("highest", False)] and folded[2].seen == [("highest", False)]
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", True)
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
 
 
 def test_fold_needs_eval_mode():

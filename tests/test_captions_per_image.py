@@ -84,6 +84,7 @@ def _config(shapes, out_dir, *extra):
         "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
         "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
         "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
+        "train.device=cpu",
         "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1", "train.precision=fp32",
         "model.vision.dropout=0", "model.head_dropout=0", "train.captions_per_image=3",
         f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={out_dir}", *extra])

@@ -225,3 +225,29 @@ def test_eval_of_best_reproduces_the_trainers_row(eval_shapes, tmp_path, locked,
                  "--precision", "fp32", "--json"]) == 0
     fp32 = json.loads(capsys.readouterr().out)
     assert fp32["precision"] == "fp32" and fp32["loss"] != pytest.approx(row["val_loss"], abs=1e-6)
+
+
+def _on_gpu(t: torch.Tensor):
+    """A stand-in for ``t`` living on cuda:0 (a mock: no GPU here); only a copy to the CPU yields its values."""
+    from unittest import mock
+
+    remote = mock.MagicMock(spec=torch.Tensor)
+    remote.device = torch.device("cuda", 0)
+    remote.detach.return_value.to.side_effect = lambda device, dtype: (
+        t.to(dtype) if torch.device(device).type == "cpu" else pytest.fail(f"moved to {device}"))
+    remote.__array__ = mock.Mock(side_effect=TypeError("can't convert cuda:0 device type tensor to numpy"))
+    return remote
+
+
+def test_metrics_accept_tensors_on_another_device_by_moving_them():
+    # The trainer's features come off the GPU; a CUDA tensor passed straight in failed in np.asarray (the ids) or
+    # in indexing a CPU mask with CUDA rows. Now any tensor is copied to the CPU first.
+    g = torch.Generator().manual_seed(0)
+    img = torch.nn.functional.normalize(torch.randn(6, 4, generator=g), dim=1)
+    txt = torch.nn.functional.normalize(img.repeat_interleave(2, 0) + 0.3 * torch.randn(12, 4, generator=g), dim=1)
+    ids = torch.arange(6).repeat_interleave(2)
+    want = retrieval_metrics(img, txt, ids)
+    assert retrieval_metrics(_on_gpu(img), _on_gpu(txt), _on_gpu(ids)) == want
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    assert zero_shot_accuracy(_on_gpu(img), _on_gpu(img[:3]), _on_gpu(labels)) == \
+        zero_shot_accuracy(img, img[:3], labels)

@@ -28,6 +28,7 @@ TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision
         "model.text.hidden_dim=128", "model.text.vocab_size=300", "model.text.max_length=16", "model.embed_dim=32",
         "train.batch_size=32", "train.log_every=2", "train.warmup_steps=10", "train.threads=1",
         "train.eval_batch_size=64", "data.workers=0", "data.val=30", "data.test=30"]
+TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 
 @pytest.fixture(scope="module")

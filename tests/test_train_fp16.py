@@ -10,6 +10,7 @@ TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision
         "model.text.hidden_dim=64", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=16",
         "data.val=12", "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1",
         "train.threads=1", "train.eval_batch_size=64", "train.precision=fp16", "train.epochs=2"]
+TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 
 @pytest.fixture(scope="module")

@@ -50,3 +50,22 @@ def test_resumed_epoch_sees_exactly_the_remaining_batches(data):
 
 def test_a_worker_process_gives_the_same_batches_as_the_main_process(data):
     assert _same(list(_inputs(data, workers=1).loader(2)), list(_inputs(data, workers=0).loader(2)))
+
+
+def test_loader_workers_persist_across_epochs_and_still_see_each_epochs_augmentation(data):
+    # The training loader's worker processes start once for the run (persistent_workers), not every epoch; their
+    # copy of the dataset never sees .epoch change, so the epoch travels with each index. Same batches as in-process.
+    inputs, ref = _inputs(data, workers=1), _inputs(data)
+    pids = []
+    for epoch in (0, 1, 2):
+        steps = list(inputs.loader(epoch))
+        assert _same(steps, list(ref.loader(epoch))), epoch
+        pids.append(tuple(w.pid for w in inputs._persistent.loader._iterator._workers))
+    assert pids[0] == pids[1] == pids[2] and inputs._persistent.loader.persistent_workers
+    # a resumed epoch (from step 2), and an epoch abandoned half-way (a pause) before the next one
+    assert _same(list(inputs.loader(1, 2)), list(ref.loader(1, 2)))
+    half = inputs.loader(2)
+    next(half)
+    half.close()
+    assert _same(list(inputs.loader(3)), list(ref.loader(3)))
+    assert not _same(list(ref.loader(3)), list(ref.loader(4)))   # epochs differ, so the check above can fail

@@ -13,6 +13,7 @@ TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision
         "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
         "model.text.hidden_dim=64", "model.text.vocab_size=120", "model.embed_dim=16", "data.val=40",
         "train.batch_size=16", "train.threads=1", "train.eval_batch_size=64", "train.epochs=2"]
+TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,10 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     ix.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass")
     ix.add_argument("--workers", type=count, default=None,
                     help="DataLoader workers decoding images (default: none on a CPU, 4 on a GPU)")
-    ix.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                    help="image tower precision (auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 BF16 or "
-                         "AMX), where it is much faster than fp32 within 1e-2 cosine; else fp32)")
+    ix.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                    help="image tower precision (auto: bf16 on a GPU of compute capability 8.0 or newer or a CPU "
+                         "with native bf16 (AVX-512 BF16 or AMX), much faster than fp32 within 1e-2 cosine; else "
+                         "fp32). fp16: for older GPUs (V100, T4), whose tensor cores have no bf16)")
     ix.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help=argparse.SUPPRESS)
     ix.add_argument("--faiss", default="auto", choices=["auto", "none", "hnsw", "ivf", "ivfpq"],
                     help="store a faiss index too (auto, when faiss is installed: HNSW from 500k rows, IVF-PQ "
@@ -76,10 +77,11 @@ def cmd_index(args: argparse.Namespace) -> int:
     from clip_mini.runtime.devices import resolve_device, resolve_precision
 
     device = resolve_device(args.device)   # a bad --device fails before anything is read
-    precision = resolve_precision(args.precision, device)
     shard, world = _shard_from(args.shard, parse_shard)
     if world is not None and device.type == "cuda":
         device = _rank_device()
+    precision = resolve_precision(args.precision, device)   # of the GPU this rank runs on
+    _hint(precision, device, progress)
     images, captions, source = _index_inputs(args)
     from clip_mini.embed import load
     from clip_mini.retrieval.build import sync_index
@@ -112,23 +114,37 @@ def _index_shards(args: argparse.Namespace, progress: bool) -> int:
     from clip_mini.data.webdataset import expand_shards
     from clip_mini.retrieval.wds_source import index_shards
 
-    shards = expand_shards(args.shards)
-    embedder = load(args.model, batch_size=args.batch_size)
     from clip_mini.runtime.devices import resolve_device, resolve_precision
 
-    precision = resolve_precision(args.precision, resolve_device(args.device))
+    shards = expand_shards(args.shards)
     embed = None
     if args.ray is not None:
         from clip_mini.retrieval.ray_index import ray_embedder
 
+        # The actors pick their device and precision where they run (their GPUs are not the driver's); the
+        # driver's own model, which only checks and records the index, stays on its CPU.
+        embedder = load(args.model, device="cpu", batch_size=args.batch_size)
+        precision = args.precision
         embed = ray_embedder(args.model, None if args.ray == "local" else args.ray, args.ray_workers,
-                             args.batch_size, precision, progress)
+                             args.batch_size, precision, progress, device=args.device)
+    else:
+        embedder = load(args.model, device=args.device, batch_size=args.batch_size)
+        precision = resolve_precision(args.precision, embedder.device)
+        _hint(precision, embedder.device, progress)
     index = index_shards(args.out, embedder, shards, batch_size=args.batch_size, precision=precision,
                          faiss=args.faiss, source=args.shards, model_dir=args.model, progress=progress, embed=embed,
                          dtype=args.dtype)
     print(f"index {index.path}: {len(index)} images from {len(shards)} shards, generation "
           f"{index.manifest['generation']}")
     return 0
+
+
+def _hint(precision: str, device, progress: bool) -> None:
+    from clip_mini.runtime.devices import precision_hint
+
+    hint = precision_hint(precision, device)
+    if hint and progress:
+        print(f"index: {hint}", file=sys.stderr)
 
 
 def _shard_from(text, parse_shard):

@@ -30,13 +30,19 @@ def median_rank(ranks: torch.Tensor) -> float:
 
 
 def _as_float(x: torch.Tensor | np.ndarray, name: str) -> torch.Tensor:
-    t = (x if torch.is_tensor(x) else torch.as_tensor(np.asarray(x))).float()
+    # Tensors on any device (the trainer's features are on the GPU): scored on the CPU, where the ids already are.
+    t = x.detach().to("cpu", torch.float32) if torch.is_tensor(x) else torch.as_tensor(np.asarray(x)).float()
     if t.ndim != 2:
         raise ValueError(f"{name} must be a 2-D (rows, dim) array, got shape {tuple(t.shape)}")
     bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()
     if len(bad):
         raise ValueError(f"{name} has non-finite values in {len(bad)} row(s), first row {bad[0].item()}")
     return t
+
+
+def _as_ids(ids) -> torch.Tensor:
+    return (ids.detach().to("cpu", torch.long) if torch.is_tensor(ids)
+            else torch.as_tensor(np.asarray(ids), dtype=torch.long))
 
 
 @torch.no_grad()
@@ -55,7 +61,7 @@ def retrieval_metrics(image_features: torch.Tensor | np.ndarray, text_features: 
         over an even number of queries is the mean of the two middle ranks).
     """
     img, txt = _as_float(image_features, "image_features"), _as_float(text_features, "text_features")
-    ids = torch.as_tensor(np.asarray(text_image_ids), dtype=torch.long)
+    ids = _as_ids(text_image_ids)
     n_img = img.shape[0]
     if ids.numel() != txt.shape[0]:
         raise ValueError(f"{ids.numel()} caption image ids for {txt.shape[0]} captions")
@@ -95,7 +101,7 @@ def zero_shot_accuracy(image_features: torch.Tensor, class_text_features: torch.
     A class tying the true one ranks ahead of it, so a collapsed image tower scores no better than chance.
     """
     img, cls = _as_float(image_features, "image_features"), _as_float(class_text_features, "class_text_features")
-    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    y = _as_ids(labels)
     if y.numel() != img.shape[0]:
         raise ValueError(f"{y.numel()} labels for {img.shape[0]} images")
     if y.numel() and (y.min() < 0 or y.max() >= cls.shape[0]):

@@ -130,8 +130,18 @@ def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str
         if "{}" not in t:
             raise EvalError(f"prompt template {t!r} has no {{}} for the class name")
     prompts = [t.format(c) for c in classes for t in templates]
-    with autocast(torch.device(getattr(encoder, "device", "cpu")), precision):
-        feats = encoder.encode_text(prompts).reshape(len(classes), len(templates), -1).mean(1)
+    if hasattr(encoder, "precision"):
+        # An Embedder runs its own autocast at its own precision inside encode_text, which would override an
+        # autocast opened here (the text side then ran fp32 whatever was asked): it is told the precision instead.
+        before, encoder.precision = encoder.precision, precision
+        try:
+            feats = encoder.encode_text(prompts)
+        finally:
+            encoder.precision = before
+    else:
+        with autocast(torch.device(getattr(encoder, "device", "cpu")), precision):
+            feats = encoder.encode_text(prompts)
+    feats = np.asarray(feats, dtype=np.float32).reshape(len(classes), len(templates), -1).mean(1)
     from clip_mini.retrieval.rows import unit_rows
 
     return unit_rows(feats)

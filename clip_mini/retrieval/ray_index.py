@@ -50,16 +50,18 @@ def read_shard_rows(item: dict) -> list[dict]:
 class EmbedActor:
     """Ray actor: loads the model once, then decodes and embeds batches (rows with a reason pass through)."""
 
-    def __init__(self, model_dir: str, precision: str):
+    def __init__(self, model_dir: str, precision: str, device: str = "auto"):
         import torch
 
         from clip_mini.embed import load
+        from clip_mini.model.clip import ImageForward
+        from clip_mini.runtime.devices import resolve_precision
 
         torch.set_num_threads(1)   # one core per actor: the pool, not threads, spreads the work
-        from clip_mini.model.clip import ImageForward
-
-        self.embedder = load(model_dir)
-        self.forward = ImageForward(self.embedder.model, precision, self.embedder.device)
+        self.embedder = load(model_dir, device=actor_device(device))
+        # "auto" resolved here, for this actor's device: the driver may have no GPU, or another kind
+        self.precision = resolve_precision(precision, self.embedder.device)
+        self.forward = ImageForward(self.embedder.model, self.precision, self.embedder.device)
 
     def __call__(self, batch: dict) -> dict:
         n = len(batch["key"])
@@ -76,18 +78,41 @@ class EmbedActor:
         return {**keep, "reason": np.array(reason, dtype=object), "embedding": out}
 
 
+def actor_device(device: str) -> str:
+    """An actor's device for the user's ``--device``: Ray gives a GPU actor its own GPU as ``cuda:0`` of its visible
+    devices (``CUDA_VISIBLE_DEVICES``), so ``cuda:N`` names the kind, not the index."""
+    return "cuda" if str(device).startswith("cuda") else str(device)
+
+
+def actor_gpus(ray, device: str) -> int:
+    """GPUs each embedding actor asks Ray for: 1 for ``--device cuda[:N]``, and for ``auto`` when the cluster has
+    GPUs; else 0. Without a request Ray hides every GPU from the actor (or, with the variable unset, every actor
+    lands on GPU 0)."""
+    device = str(device)
+    if device.startswith("cuda"):
+        if not ray.cluster_resources().get("GPU", 0):
+            raise EmbeddingIndexError(f"--device {device}: the Ray cluster has no GPU")
+        return 1
+    if device == "auto":
+        return 1 if ray.cluster_resources().get("GPU", 0) else 0
+    return 0
+
+
 def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers: int, batch_size: int,
-                   precision: str, progress: bool, part_rows: int = _PART_ROWS) -> int:
-    """Run the pipeline over ``pending`` shards, writing a part per ``part_rows`` rows; returns the rows received."""
+                   precision: str, progress: bool, part_rows: int = _PART_ROWS, device: str = "auto") -> int:
+    """Run the pipeline over ``pending`` shards, writing a part per ``part_rows`` rows; returns the rows received.
+
+    ``precision`` may be "auto" and ``device`` any ``--device``: each actor resolves both where it runs."""
     ray = _ray()
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = progress
     ds = ray.data.from_items([{"shard": u} for u in pending], override_num_blocks=len(pending))
     ds = ds.flat_map(read_shard_rows)
     # Ray Data's actor pools restart a dead actor and retry its tasks by default (max_restarts=-1)
-    ds = ds.map_batches(EmbedActor, fn_constructor_kwargs={"model_dir": str(model_dir), "precision": precision},
+    ds = ds.map_batches(EmbedActor, fn_constructor_kwargs={"model_dir": str(model_dir), "precision": precision,
+                                                           "device": str(device)},
                         compute=ray.data.ActorPoolStrategy(size=workers), batch_size=batch_size, num_cpus=1,
-                        batch_format="numpy")
+                        num_gpus=actor_gpus(ray, device), batch_format="numpy")
     rows, feats, skipped, seen, received = empty_rows(), [], {}, set(), 0
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         for i in range(len(batch["key"])):
@@ -115,7 +140,7 @@ def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers
 
 
 def ray_embedder(model_dir: str, address: Optional[str], workers: int, batch_size: int, precision: str,
-                 progress: bool) -> Callable[[Sequence[str], Parts], None]:
+                 progress: bool, device: str = "auto") -> Callable[[Sequence[str], Parts], None]:
     """The ``embed`` argument of ``index_shards``: start (or join) Ray, run the pipeline, stop what it started."""
     ray = _ray()
 
@@ -128,7 +153,7 @@ def ray_embedder(model_dir: str, address: Optional[str], workers: int, batch_siz
             else:
                 ray.init(address=address, log_to_driver=progress)
         try:
-            embed_with_ray(pending, parts, model_dir, workers, batch_size, precision, progress)
+            embed_with_ray(pending, parts, model_dir, workers, batch_size, precision, progress, device=device)
         finally:
             if started:
                 ray.shutdown()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional, Union
+from contextlib import contextmanager
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -59,20 +60,57 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def enable_tf32(device: torch.device) -> None:
-    """TF32 matmuls and convolutions on CUDA (Ampere and newer): ~fp32 accuracy for training, several times faster."""
-    if device.type == "cuda":
+    """TF32 matmuls and convolutions on CUDA (Ampere and newer): ~fp32 accuracy, several times faster.
+
+    One policy for every pass on a GPU (training, its evaluations, ``clip-mini eval``, indexing, embedding), so a
+    run's validation numbers and ``clip-mini eval`` of its model are computed the same way."""
+    if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
 
 
-def fast_bf16(device: torch.device) -> bool:
-    """Whether bf16 runs natively fast on ``device``: a CUDA GPU with bf16, or a CPU with AVX-512 BF16 or AMX.
+@contextmanager
+def tf32_disabled() -> Iterator[None]:
+    """Full fp32 matmuls and convolutions inside the block, the previous settings restored after: for parity
+    checks whose tolerance TF32's 10-bit mantissa would exceed (e.g. the BatchNorm fold check)."""
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    cuda_matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+        torch.backends.cuda.matmul.allow_tf32 = cuda_matmul
 
-    On such a CPU a bf16 matmul is much faster than an fp32 one; without those instructions bf16 is emulated and slower than
-    fp32, so "auto" precision picks fp32 there. Reads the Linux CPU flags; elsewhere answers False (fp32).
+
+def use_device(device: DeviceArg) -> torch.device:
+    """Make ``device`` this process's current CUDA device and turn TF32 on for it; nothing on a CPU.
+
+    Called before anything touches CUDA (pinned host memory, loader pin threads, a model copy): each of those
+    opens a context on the *current* device, and without ``set_device`` that is GPU 0 whatever ``device`` says
+    (about half a GB per process there, for nothing).
     """
+    device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        torch.cuda.set_device(device)
+        enable_tf32(device)
+    return device
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 runs natively fast on ``device``: a CUDA GPU of compute capability 8.0 or newer (Ampere on),
+    or a CPU with AVX-512 BF16 or AMX.
+
+    Older GPUs (V100: 7.0, T4: 7.5) have no bf16 units: ``torch.cuda.is_bf16_supported()`` still answers True
+    there (bf16 emulated in fp32 units) and asks about the *current* device, not ``device``; the capability of
+    ``device`` itself is what matters. On a CPU without those instructions bf16 is emulated and slower than fp32.
+    Reads the Linux CPU flags; elsewhere answers False (fp32).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
@@ -88,18 +126,48 @@ def _cpu_flags() -> set[str]:
 
 
 def resolve_precision(precision: Optional[str], device: torch.device) -> str:
-    """``"auto"`` / None -> ``"bf16"`` where ``fast_bf16(device)``, else ``"fp32"``; anything else unchanged."""
+    """``"auto"`` / None -> ``"bf16"`` where ``fast_bf16(device)``, else ``"fp32"``; anything else unchanged.
+
+    "auto" never picks fp16 on an older GPU by itself (fp16's range can overflow a tower's activations); there
+    ``--precision fp16`` is the fast choice to ask for (``precision_hint``)."""
     if precision in (None, "auto"):
         return "bf16" if fast_bf16(device) else "fp32"
     return precision
 
 
+def precision_hint(precision: str, device: torch.device) -> Optional[str]:
+    """A line for the user when ``precision`` leaves an older GPU's fp16 tensor cores unused, else None."""
+    device = torch.device(device)
+    if device.type != "cuda" or precision != "fp32" or fast_bf16(device):
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no bf16 units: "
+            f"--precision fp16 runs its fp16 tensor cores (check the results against fp32 once)")
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a container's or ``taskset``'s share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _local_processes() -> int:
+    """Processes sharing this machine's cores: torchrun's ``LOCAL_WORLD_SIZE``, else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def loader_workers(workers: Optional[int]) -> int:
     """``data.workers`` / ``--workers`` unset (None): 0 on a CPU-only machine (worker processes would compete with
-    the model for the cores), 4 where CUDA is available (a GPU step outruns one process decoding its images)."""
+    the model for the cores), else up to 4 per process where CUDA is available (a GPU step outruns one process
+    decoding its images), never more than this process's share of the cores it may run on (the affinity mask
+    divided among torchrun's ``LOCAL_WORLD_SIZE`` processes, so 8 ranks on 16 cores get 2 each, not 4)."""
     if workers is not None:
         return workers
-    return min(4, os.cpu_count() or 1) if torch.cuda.is_available() else 0
+    if not torch.cuda.is_available():
+        return 0
+    return max(1, min(4, _cores() // _local_processes()))
 
 
 def default_workers(workers: Optional[int], device: torch.device) -> int:
@@ -114,5 +182,4 @@ def default_workers(workers: Optional[int], device: torch.device) -> int:
     # an embedder of the user's own may say its device as a string ("cpu", "cuda:0")
     if torch.device(device).type != "cuda":
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(4, cores)
+    return max(1, min(4, _cores() // _local_processes()))

@@ -35,6 +35,9 @@ def check_train_config(cfg: Config) -> None:
     for i, beta in enumerate(t.betas):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"train.betas[{i}] must be in [0, 1), got {beta!r}")
+    from clip_mini.train.distributed import train_device
+
+    train_device(t.device)   # misspelt, or a GPU asked for that is not here: ConfigError naming train.device
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"train.threads must be >= 1 (or null for automatic), got {t.threads!r}")
     if not t.out_dir.strip():

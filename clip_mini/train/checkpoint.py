@@ -36,8 +36,10 @@ class CheckpointError(ClipMiniError, ValueError):
 
 
 # -- RNG state ------------------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from, as tensors and ints (``weights_only``-loadable)."""
+def rng_state(device: Optional[torch.device] = None) -> dict[str, Any]:
+    """Every RNG a training step of this process may draw from, as tensors and ints (``weights_only``-loadable):
+    the CPU generators and, on a GPU, the generator of this process's own GPU (``device``), the only one it
+    advances. Under torchrun each rank's state differs; the trainer gathers them all (``rng_ranks``)."""
     np_state = np.random.get_state()
     py_state = random.getstate()
     state = {
@@ -46,19 +48,45 @@ def rng_state() -> dict[str, Any]:
         "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]), "numpy_gauss": float(np_state[4]),
         "python": torch.tensor(py_state[1], dtype=torch.int64), "python_gauss": py_state[2],
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what ``rng_state`` captured."""
+def set_rng_state(state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+    """Restore what ``rng_state`` captured; the GPU generator onto ``device`` (this process's GPU)."""
     torch.set_rng_state(state["torch"])
     keys = state["numpy_keys"].numpy().astype(np.uint32)
     np.random.set_state(("MT19937", keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"]))
     random.setstate((3, tuple(int(v) for v in state["python"].tolist()), state["python_gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device is None or torch.device(device).type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):   # older checkpoints: get_rng_state_all() of rank 0's process
+        index = torch.device(device).index or 0
+        if index >= len(cuda):
+            warnings.warn(f"the checkpoint holds GPU random states for {len(cuda)} GPU(s), none for {device}; its "
+                          "generator starts afresh (dropout masks will differ from an uninterrupted run)",
+                          RuntimeWarning, stacklevel=2)
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
+
+
+def rank_rng(ckpt: dict[str, Any], rank: int, world_size: int) -> Optional[dict[str, Any]]:
+    """This rank's saved random state: its own entry of ``rng_ranks`` when the checkpoint was written by as many
+    processes. Else (an older checkpoint, or another process count; warned about) rank 0 gets rank 0's state and
+    the other ranks None: they keep their own fresh seeding rather than all repeating rank 0's masks."""
+    ranks = ckpt.get("rng_ranks")
+    if isinstance(ranks, list) and len(ranks) == world_size:
+        return ranks[rank]
+    if world_size > 1 or (isinstance(ranks, list) and len(ranks) > 1):
+        saved = len(ranks) if isinstance(ranks, list) else "an unknown number of"
+        if rank == 0:
+            warnings.warn(f"resuming {world_size} process(es) from a checkpoint of {saved} process(es): random "
+                          "states (dropout masks) and the data sharding will not match an uninterrupted run",
+                          RuntimeWarning, stacklevel=2)
+    return ckpt["rng"] if rank == 0 else None
 
 
 # -- save / rotate --------------------------------------------------------------------------------------------

@@ -196,14 +196,16 @@ def _read_view(path: Path, key: str, n: int) -> Optional[tuple[torch.Tensor, tor
 
 
 def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int, run: Path, cache,
-                    device: torch.device, augment=None, write: bool = True, check=None, left_after: int = 0):
+                    device: torch.device, augment=None, write: bool = True, only: Optional[list[int]] = None,
+                    check=None, left_after: int = 0):
     """Features of a split and its ``(N,)`` readable mask: each view read from
     ``frozen_features/{split}-view{v}.safetensors`` when its key matches, else computed (and stored, if ``write``).
 
     Returns:
         ``(features, ok)``: features a ``(views, N, D)`` tensor of tower outputs, or under
         ``model.vision.trainable_blocks: k > 0`` a list of ``views`` ``(N, T, D)`` token-state tensors,
-        memory-mapped from their files (a stored view is never loaded whole).
+        memory-mapped from their files (a stored view is never loaded whole). With ``only``: just those views
+        are read or computed and stored, and None is returned (a rank's share of the pass, ``prepare``).
     """
     from clip_mini.data import build_eval_transform
     from clip_mini.fileio.atomic import write_keyed_tensors
@@ -212,7 +214,7 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
     blocks = token_blocks(cfg)
     digest = inputs_digest(cfg, paths, frozen_state(model.visual, cfg), model.preprocess)
     dataset, tower, features, ok_all = None, None, [], torch.ones(len(paths), dtype=torch.bool)
-    for view in range(views):
+    for view in range(views) if only is None else only:
         key = features_key(digest, cfg, view)
         path = run / "frozen_features" / f"{split}-view{view}.safetensors"
         got = _read_view(path, key, len(paths))
@@ -235,6 +237,8 @@ def load_or_compute(model, cfg: Config, df: pd.DataFrame, split: str, views: int
                     got = _read_view(path, key, len(paths)) or got
         features.append(got[0])
         ok_all &= got[1]
+    if only is not None:
+        return None
     return (features if blocks else torch.stack(features)), ok_all
 
 
@@ -284,27 +288,35 @@ class FeatureCollate:
 
 
 def prepare(model, cfg: Config, splits: dict[str, pd.DataFrame], run: Path, cache, device: torch.device,
-            is_main: bool, barrier, check=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{"train": ((N views, I, D), ok), "val": ((I, D), ok)}``; rank 0 computes and stores, then the others read.
-    ``check``: the budget's projection of the pass (``compute_view``), made once, on rank 0."""
+            is_main: bool, barrier, check=None, rank: int = 0, world_size: int = 1
+            ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{"train": ((N views, I, D), ok), "val": ((I, D), ok)}``.
+
+    Distributed, the views (the train views and the val view) are dealt out to the ranks in turn: each computes
+    and stores its own on its own device, all wait (``barrier``, a long-wait group: a view of a large split takes
+    as long as it takes), then every rank reads every view from the files. One process computes them all, with
+    ``check``: the budget's projection of the pass (``compute_view``), made once.
+    """
     from clip_mini.data import build_train_transform
     from clip_mini.train.inputs import SeededAugment
 
     views = cfg.train.frozen_features
     augment = SeededAugment(build_train_transform(model.preprocess, cfg.data)) if views > 1 else None
-    out = {}
-    for rank_turn in (True, False):   # rank 0 first; then, after the barrier, everyone else (finding the files)
-        if is_main == rank_turn:
-            n_val = len(split_paths(splits["val"]))
-            out["train"] = load_or_compute(model, cfg, splits["train"], "train", views, run, cache, device,
-                                           augment, write=is_main, check=check if is_main else None,
-                                           left_after=n_val)
-            val, ok = load_or_compute(model, cfg, splits["val"], "val", 1, run, cache, device, write=is_main,
-                                      check=check if is_main else None)
-            out["val"] = (val[0], ok)   # (N, D) or (N, T, D): the one eval view
-        if rank_turn:
-            barrier()
-    return out
+    if world_size > 1:
+        jobs = [("train", v) for v in range(views)] + [("val", 0)]
+        mine = [job for i, job in enumerate(jobs) if i % world_size == rank]
+        for split, n in (("train", views), ("val", 1)):
+            only = [v for s, v in mine if s == split]
+            if only:
+                load_or_compute(model, cfg, splits[split], split, n, run, cache, device,
+                                augment if split == "train" else None, write=True, only=only)
+        barrier()
+        check = None   # every view is on disk now
+    n_val = len(split_paths(splits["val"]))
+    train = load_or_compute(model, cfg, splits["train"], "train", views, run, cache, device, augment,
+                            write=is_main, check=check, left_after=n_val)
+    val, ok = load_or_compute(model, cfg, splits["val"], "val", 1, run, cache, device, write=is_main, check=check)
+    return {"train": train, "val": (val[0], ok)}   # val: (N, D) or (N, T, D), the one eval view
 
 
 def build_frozen_train_inputs(cfg: Config, df: pd.DataFrame, features: torch.Tensor, ok: torch.Tensor, tokenizer,

@@ -9,7 +9,7 @@ step it stopped at.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from clip_mini.config import Config, PreprocessConfig
 from clip_mini.data.dataset import load_splits as load_table_splits
-from clip_mini.data.steps import step_batches
+from clip_mini.data.steps import PersistentSteps, step_batches
 from clip_mini.runtime.devices import loader_workers
 
 
@@ -72,8 +72,10 @@ class EpochDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int):
-        self.augment.key = (self.seed, self.epoch, int(i))
+    def __getitem__(self, i):
+        # (epoch, row) from a persistent worker (data.steps.PersistentSteps), whose copy of .epoch is stale
+        epoch, i = i if isinstance(i, tuple) else (self.epoch, i)
+        self.augment.key = (self.seed, epoch, int(i))
         return self.dataset[i]
 
 
@@ -86,6 +88,7 @@ class TrainInputs:
     accum_freq: int
     workers: int
     steps_per_epoch: int
+    _persistent: Optional[PersistentSteps] = field(default=None, repr=False)
 
     def loader(self, epoch: int, start_step: int = 0) -> Iterator[list[dict]]:
         """Yield the steps of ``epoch`` from ``start_step`` on; each step is a list of ``accum_freq`` micro-batches.
@@ -101,7 +104,15 @@ class TrainInputs:
                  for s in range(start_step * per_step, self.steps_per_epoch * per_step, self.micro_batch)]
         if not micro:
             return
-        yield from step_batches(self.dataset, self.collate, self.workers, epoch, self.accum_freq, batch_sampler=micro)
+        if not self.workers or not isinstance(self.dataset, EpochDataset):
+            yield from step_batches(self.dataset, self.collate, self.workers, epoch, self.accum_freq,
+                                    batch_sampler=micro)
+            return
+        # worker processes started once for the run, not once per epoch; the indices carry the epoch
+        if self._persistent is None:
+            self._persistent = PersistentSteps(self.dataset, self.collate, self.workers,
+                                               pin_memory=torch.cuda.is_available())
+        yield from self._persistent.steps([[(epoch, r) for r in b] for b in micro], self.accum_freq)
 
 
 def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tokenizer, max_length: int,

@@ -27,7 +27,8 @@ from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.budget import Budget, feature_pass_check, fill_cache
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
                                    warn_config_changes)
-from clip_mini.train.distributed import all_min, barrier, cleanup, default_threads, init_distributed
+from clip_mini.train.distributed import (all_min, barrier, cleanup, default_threads, gather, init_distributed,
+                                         rank_seed)
 from clip_mini.eval.validation import evaluate_model
 from clip_mini.train.inputs import build_train_inputs, load_splits, make_image_cache
 from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_table, write_curves
@@ -51,7 +52,7 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
     """
     check_train_config(cfg)
     owns_group = not torch.distributed.is_initialized()
-    info = init_distributed()
+    info = init_distributed(cfg.train.device)
     with ExitStack() as stack:
         if owns_group:
             stack.callback(cleanup)
@@ -104,6 +105,10 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
         except (RuntimeError, ValueError, KeyError) as e:
             raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
                                           f"differ; see the warning above): {e}") from None
+    # every rank built the same weights from one seed; from here on each rank draws its own dropout, drop-path and
+    # patch-drop masks (rank 0 keeps the stream of a single process); a resume restores each rank's own state below
+    if info.rank:
+        _seed_all(rank_seed(t.seed, info.rank))
     features = FeatureModel(model)
     if info.distributed:
         features = torch.nn.parallel.DistributedDataParallel(
@@ -130,7 +135,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
         with clock("feature_pass"):
             frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier,
                                              check=feature_pass_check(budget.deadline, budget.budget_s)
-                                             if fitting else None)
+                                             if fitting else None,
+                                             rank=info.rank, world_size=info.world_size)   # views split over ranks
         inputs = frozen_io.build_frozen_train_inputs(cfg, splits["train"], *frozen_feats["train"], model.tokenizer,
                                                      model.cfg.text.max_length, info.rank, info.world_size)
     else:
@@ -167,7 +173,9 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
             state.update({k: ckpt[k] for k in state})
         except KeyError as e:
             raise ckpt_io.CheckpointError(f"{ckpt_path} lacks the training state {e}") from None
-        ckpt_io.set_rng_state(ckpt["rng"])   # last: building the model above drew from the RNG
+        rng = ckpt_io.rank_rng(ckpt, info.rank, info.world_size)   # this rank's own (CPU and GPU) state
+        if rng is not None:
+            ckpt_io.set_rng_state(rng, device)   # last: building the model above drew from the RNG
         log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
         if fitting and log.epochs():   # paused before its fit: the evaluation time the run measured so far
             budget.eval_s = log.epochs()[-1].get("eval_s", 0.0)
@@ -181,6 +189,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
                 _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0, frozen_feats)
                 if budget:
                     budget.eval_s = time.perf_counter() - tick
+    barrier()   # the other ranks wait here (long-wait group), not in the first step's all_gather
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
@@ -189,12 +198,14 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
         """Write a checkpoint; returns its seconds."""
         tick = time.perf_counter()
         saved_at[0] = state["step"]
+        rngs = gather(ckpt_io.rng_state(device))   # every rank's own random state, for each to resume its own
         if main:
             ckpt_io.save_checkpoint(run / "checkpoints", {
                 **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": ckpt_io.rng_state(), "config": cfg.to_dict(), "total_steps": total,
+                "rng": rngs[0], "rng_ranks": rngs, "config": cfg.to_dict(), "total_steps": total,
                 **({"budget": budget.state} if budget else {}),
                 **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}, t.keep_checkpoints)
+        barrier()   # a slow write on rank 0 is waited for here, not in the next step's collectives
         seconds = time.perf_counter() - tick
         if budget:
             budget.save_s = seconds
@@ -406,6 +417,17 @@ class _Clock:
         out["other_s"] = total_s - sum(self.seconds.values())
         out["total_s"] = total_s
         return out
+
+
+def _seed_all(seed: int) -> None:
+    """Seed every generator a step may draw from: torch's (CPU and every GPU), numpy's and Python's."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def _skip_step(state: dict, loss: torch.Tensor, grad_norm: torch.Tensor, max_bad: int, main: bool) -> None:
