@@ -120,19 +120,19 @@ def speed_table(doc: Doc, rows: list[tuple[str, str, str, str]]) -> None:
 # The benchmark command each quality JSON was made with (`--result benchmarks/results/quality/<name>` follows).
 # Config files have changed since older rows ran: `config as of` names the commit that added the JSON.
 QUALITY_RUNS = {
-    "quality_flickr8k_vit_amx.json": "--variants vit_amx=configs/flickr8k-vit.yaml --fit steps --budget-min 30",
+    "quality_flickr8k_vit_amx.json": "--variants vit_amx=configs/flickr8k-vit.yaml --final --budget-min 30",
     "quality_flickr8k_vit_b8lr5e5.json": "--variants vit_b8lr5e5=configs/flickr8k-vit.yaml --set train.lr_image=5e-5 "
-                                         "--fit steps --budget-min 30",
+                                         "--final --budget-min 30",
     "quality_flickr8k_vit_b10clsmean.json": "--variants vit_b10clsmean=configs/flickr8k-vit.yaml "
-                                            "--set model.vision.trainable_blocks=10 --fit steps --budget-min 30",
+                                            "--set model.vision.trainable_blocks=10 --final --budget-min 30",
     "quality_flickr8k_vit_b8clsmean.json": "--variants vit_b8clsmean=configs/flickr8k-vit.yaml "
                                            "--set model.vision.trainable_blocks=8 --set model.vision.pooling=cls_mean "
-                                           "--fit steps --budget-min 30",
+                                           "--final --budget-min 30",
     "quality_flickr8k_vit_b8drop50.json": "--variants vit_b8drop50=configs/flickr8k-vit.yaml "
-                                          "--set model.vision.trainable_blocks=8 --fit steps --budget-min 30",
+                                          "--set model.vision.trainable_blocks=8 --final --budget-min 30",
     "quality_flickr8k_vit_b8drop75.json": "--variants vit_b8drop75=configs/flickr8k-vit.yaml "
                                           "--set model.vision.trainable_blocks=8 --set model.vision.patch_drop=0.75 "
-                                          "--fit steps --budget-min 30",
+                                          "--final --budget-min 30",
     "quality_flickr8k_vit_b6drop50.json": "--variants vit_b6drop50=configs/flickr8k-vit.yaml "
                                           "--set model.vision.patch_drop=0.5 --set model.vision.trainable_blocks=6 "
                                           "--budget-min 30",
@@ -154,9 +154,9 @@ QUALITY_RUNS = {
     "quality_flickr8k_vit224.json": "--variants vit224=configs/flickr8k-vit.yaml --set model.vision.image_size=224 "
                                     "--set model.vision.pooling=cls_mean --set model.vision.trainable_blocks=1",
     "quality_flickr8k_vit.json": "--variants vit=configs/flickr8k-vit.yaml",
-    "quality_flickr8k_concat4v_cls4mean_fit.json": "--variants concat4v_cls4mean_fit=configs/flickr8k.yaml --fit steps",
+    "quality_flickr8k_concat4v_cls4mean_fit.json": "--variants concat4v_cls4mean_fit=configs/flickr8k.yaml --final",
     "quality_flickr8k_concat4v_clsmean_fit.json": "--variants concat4v_clsmean_fit=configs/flickr8k.yaml "
-                                                  "--set model.vision.concat_pooling=cls_mean --fit steps",
+                                                  "--set model.vision.concat_pooling=cls_mean --final",
     "quality_flickr8k_concat4v_clsmean.json": "--variants concat4v_clsmean=configs/flickr8k.yaml "
                                               "--set model.vision.concat_pooling=cls_mean --epochs 25",
     "quality_flickr8k_concat4v.json": "--variants concat4v=configs/flickr8k.yaml "
@@ -394,6 +394,10 @@ SERVING = [
     ("same, 100k rows", "speed/serve.json",
      "{points.3.requests_per_s:.0f} ({points.3.p50_ms:.2f} ms) / {points.5.requests_per_s:.0f} "
      "({points.5.p50_ms:.1f} ms); failures {points.5.failures}", "python benchmarks/speed/bench_serve.py"),
+    ("text search while 4 uploads of a 6000x6000 PNG are in flight, 1 / 4 text clients (p99; server RSS peak)",
+     "speed/serve_mixed.json", "{points.0.text_p99_ms:.0f} / {points.1.text_p99_ms:.0f} ms; "
+     "{points.1.server_rss_peak_mb:.0f} MB; failures {points.1.text_failures}",
+     "python benchmarks/speed/bench_serve.py --arm mixed"),
 ]
 
 # The README's summary: (question, JSON, figure template, RESULTS.md anchor). At most 10 rows, lines <= 120.
