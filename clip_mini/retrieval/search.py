@@ -1,7 +1,16 @@
 """Search back ends over stored float16 (or bfloat16) embeddings: exact (chunked matrix product) and faiss (HNSW or IVF).
 
-Exact search has two kernels, with the same results (the float32 top-K, ties by row id):
+Exact search has three kernels, with the same results (the float32 top-K, ties by row id):
 
+* faiss scan (one or a few queries, with or without torch, when faiss is installed): a faiss scalar-quantizer flat
+  index whose codes *are* the stored rows (``QT_fp16`` / ``QT_bf16`` codes are the same bytes as float16 / bfloat16
+  rows, so the index is a view of the memory map, nothing copied). faiss decodes each row to float32 in SIMD
+  registers and takes its inner product with the float32 query as it streams the rows, so one query costs about
+  one read of the matrix; the rows are split between the cores. Each part's approximate top ``k + 32`` is re-scored
+  exactly (the float32 accumulation, and the query's rounding to bf16 where faiss's bf16 scan multiplies in bf16
+  hardware, have a proven error bound, ``_margin``), falling back to a range search of a part whose short list
+  ends above the floor (many near-ties). Past a few queries each one re-reads the matrix, and
+  the matrix-product kernels below win.
 * numpy (always available, and what a one-shot ``clip-mini search`` uses: importing torch costs seconds): each
   chunk of the (N, d) float16 matrix (a memory map, so an index larger than RAM works) is converted to float32 in
   a reused cache-sized buffer and scored with one BLAS product; top-K is kept with ``argpartition``.
@@ -34,7 +43,7 @@ from typing import Literal
 
 import numpy as np
 
-from clip_mini.retrieval.rows import BF16Rows, bf16_bits_to_f32
+from clip_mini.retrieval.rows import BF16Rows, bf16_bits_to_f32, f32_to_bf16_bits
 
 FaissKind = Literal["hnsw", "ivf", "ivfpq"]
 # Above this many rows `auto` prefers a stored faiss index: exact search time grows with the rows (the float16 ->
@@ -103,8 +112,7 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
         k: results per query; clipped to N.
         chunk_rows: rows scored per step of the numpy kernel (default: an 8 MB float32 block, which stays in cache
             between the conversion and the product).
-        kernel: "numpy", "torch", or "auto" (torch when it is already imported and the matrix is float16 with at
-            least ``TORCH_MIN_ROWS`` rows; see the module docstring).
+        kernel: "numpy", "torch", "faiss", or "auto" (``auto_kernel``; see the module docstring).
 
     Returns:
         ``scores`` (Q, k) float32 cosine similarities, best first, and ``ids`` (Q, k) int64 row numbers.
@@ -112,14 +120,15 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     n, dim = embeddings.shape
     queries = _check_queries(queries, dim, k)
     k = min(k, n)
-    if kernel not in ("auto", "numpy", "torch"):
-        raise ValueError(f"unknown exact-search kernel {kernel!r} (use auto, numpy or torch)")
+    if kernel not in ("auto", "numpy", "torch", "faiss"):
+        raise ValueError(f"unknown exact-search kernel {kernel!r} (use auto, numpy, torch or faiss)")
     bf16 = isinstance(embeddings, BF16Rows)
     if kernel == "auto":
-        kernel = "torch" if ("torch" in sys.modules and n >= TORCH_MIN_ROWS
-                             and (bf16 or embeddings.dtype == np.float16)) else "numpy"
+        kernel = auto_kernel(n, len(queries), bf16 or embeddings.dtype == np.float16)
     if kernel == "torch":
         return _exact_torch(embeddings, queries, k)
+    if kernel == "faiss":
+        return _exact_faiss(embeddings, queries, k)
     chunk_rows = max(chunk_rows or (1 << 21) // dim, 1)
     # Buffers reused for every chunk: fresh arrays per chunk cost page faults that dominate the arithmetic.
     block = np.empty((min(chunk_rows, n), dim), np.float32)
@@ -155,8 +164,149 @@ def _merge_chunk(best_s: np.ndarray, best_i: np.ndarray, sims: np.ndarray, offse
         best_s[q], best_i[q] = cand_s[top], cand_i[top]
 
 
-# -- torch: approximate pass, exact re-scoring ------------------------------------------------------------------
 TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
+# The faiss scan reads the whole matrix once per query per core, the matrix-product kernels once for all queries:
+# up to this many queries the scan is the faster one (benchmarks/bench_search.py, faiss_scan and the crossovers).
+FAISS_SCAN_MAX_QUERIES = 4
+# Without torch the alternative is the numpy kernel (a float32 product after converting every row), which the
+# scan beats for more queries.
+FAISS_SCAN_MAX_QUERIES_NO_TORCH = 16
+FAISS_SCAN_MIN_ROWS = 50_000   # below this numpy takes a few ms, less than importing faiss
+
+
+def auto_kernel(n: int, n_queries: int, sixteen_bit: bool) -> str:
+    """The exact-search kernel ``auto`` picks for ``n`` rows and ``n_queries`` queries (see the module docstring):
+    the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not), torch's matrix products
+    for more when torch is already imported (importing it costs seconds), else numpy."""
+    torch_loaded = "torch" in sys.modules
+    if not sixteen_bit:
+        return "numpy"
+    few = FAISS_SCAN_MAX_QUERIES if torch_loaded and n >= TORCH_MIN_ROWS else FAISS_SCAN_MAX_QUERIES_NO_TORCH
+    if n_queries <= few and (n >= FAISS_SCAN_MIN_ROWS or "faiss" in sys.modules) and faiss_scan_available():
+        return "faiss"
+    return "torch" if torch_loaded and n >= TORCH_MIN_ROWS else "numpy"
+
+
+# -- faiss scan: faiss's scalar-quantizer flat index over the stored rows ------------------------------------------
+_SCAN_EXTRA = 32   # approximate results kept per part beyond k: room for near-ties before the range-search fallback
+_scan_available: bool | None = None
+
+
+def faiss_scan_available() -> bool:
+    """faiss is installed and new enough to search codes it does not own (``MaybeOwnedVector``, faiss >= 1.11) with
+    bfloat16 codes; checked once, without importing faiss unless it is installed."""
+    global _scan_available
+    if _scan_available is None:
+        _scan_available = faiss_available() and _scan_api(_faiss())
+    return _scan_available
+
+
+def _scan_api(faiss) -> bool:
+    return hasattr(faiss, "MaybeOwnedVectorUInt8") and hasattr(faiss.ScalarQuantizer, "QT_bf16")
+
+
+_NO_OWNER = None
+
+
+def _scan_view(faiss, rows: np.ndarray, bf16: bool):
+    """A faiss ``IndexScalarQuantizer`` whose codes are ``rows``' bytes (C-contiguous float16 or bfloat16 bits):
+    no copy. faiss does not own that memory: the caller keeps ``rows`` alive for as long as it uses the index."""
+    global _NO_OWNER
+    if _NO_OWNER is None:
+        # create_view wants a shared_ptr owner, which faiss's Python wrapper cannot make; an empty vector's null
+        # owner serves (the numpy array, referenced from the index, is what keeps the memory alive)
+        _NO_OWNER = faiss.MaybeOwnedVectorUInt8()
+    n, d = rows.shape
+    qt = faiss.ScalarQuantizer.QT_bf16 if bf16 else faiss.ScalarQuantizer.QT_fp16
+    index = faiss.IndexScalarQuantizer(d, qt, faiss.METRIC_INNER_PRODUCT)
+    assert index.code_size == 2 * d
+    flat = rows.reshape(-1).view(np.uint8)
+    if n:
+        index.codes = faiss.MaybeOwnedVectorUInt8.create_view(faiss.swig_ptr(flat), flat.nbytes, _NO_OWNER.owner)
+    index.ntotal = n
+    return index
+
+
+_rounds_query: dict[bool, bool] = {}
+
+
+def _scan_rounds_query(faiss, bf16: bool) -> bool:
+    """Whether faiss's scan rounds the query to the rows' 16-bit type before the products (checked once per type).
+
+    faiss decodes the codes to float32 exactly and accumulates the d products in float32; on a CPU with
+    AVX512-BF16 its bfloat16 scan multiplies bf16 pairs in hardware, so the query is rounded to bf16 first. The
+    score of a unit row against a query a hair above it (1 + 2^-20, which neither 16-bit type can hold) tells
+    which, and the error bound (``_margin``) counts that rounding where it happens."""
+    if bf16 not in _rounds_query:
+        d = 16
+        row = np.zeros((1, d), np.float32)
+        row[0, 0] = 1.0
+        code = (f32_to_bf16_bits(row) if bf16 else row.astype(np.float16)).reshape(1, d)
+        query = np.zeros((1, d), np.float32)
+        query[0, 0] = 1 + 2.0 ** -20
+        score = float(_scan_view(faiss, code, bf16).search(query, 1)[0][0, 0])
+        _rounds_query[bf16] = score != float(np.float32(1 + 2.0 ** -20))
+    return _rounds_query[bf16]
+
+
+def _scan_threads(faiss) -> int:
+    return max(1, faiss.omp_get_max_threads())
+
+
+def _exact_faiss(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Approximate scores from faiss's scan (float32 arithmetic on exactly decoded rows), then exact re-scoring of
+    every row within the proven error bound of the approximate K-th best.
+
+    Fewer queries than cores: the rows are split into one part per core, each scanned by one thread (faiss
+    releases the GIL), since faiss itself parallelises over queries. More: one scan, faiss's threads over the
+    queries."""
+    faiss = _faiss()
+    if not _scan_api(faiss):
+        raise ValueError("the faiss exact-search kernel needs faiss >= 1.11 (pip install -U faiss-cpu)")
+    bf16 = isinstance(embeddings, BF16Rows)
+    rows = np.ascontiguousarray(embeddings.bits if bf16 else embeddings)
+    if not bf16 and rows.dtype != np.float16:
+        raise ValueError(f"the faiss exact-search kernel reads float16 or bfloat16 rows, not {rows.dtype}")
+    n, d = rows.shape
+    threads = _scan_threads(faiss)
+    parts = min(threads, max(1, n // 1024)) if len(queries) < threads else 1
+    bounds = [n * p // parts for p in range(parts + 1)]
+    views = [_scan_view(faiss, rows[lo:hi], bf16) for lo, hi in zip(bounds, bounds[1:])]
+    keep = [min(hi - lo, k + _SCAN_EXTRA) for lo, hi in zip(bounds, bounds[1:])]
+
+    def scan_part(p: int):
+        # OpenMP's thread count is per calling thread: this pool thread's faiss call runs on itself alone (a team
+        # per part would only spin idle threads against the other part's)
+        faiss.omp_set_num_threads(1)
+        return views[p].search(queries, keep[p])
+
+    if parts == 1:
+        found = [views[0].search(queries, keep[0])]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(parts) as pool:
+            found = list(pool.map(scan_part, range(parts)))
+    margin = _margin(_BF16_U if bf16 else _FP16_U, 1 if _scan_rounds_query(faiss, bf16) else 0, d)
+    vals = np.concatenate([v for v, _ in found], axis=1)
+    floor = np.partition(vals, vals.shape[1] - k, axis=1)[:, vals.shape[1] - k] - margin   # (Q,)
+    cand_q, cand_i = [], []
+    for p, (v, i) in enumerate(found):
+        lo, size = bounds[p], bounds[p + 1] - bounds[p]
+        complete = keep[p] == size
+        for j in range(len(queries)):
+            if complete or v[j, -1] < floor[j]:
+                # everything this part left out scores below the floor: its short list holds every candidate
+                sel = i[j][(v[j] >= floor[j]) & (i[j] >= 0)]
+            else:   # more near-ties in this part than its short list: take every row above the floor
+                lims, _, ids = views[p].range_search(queries[j:j + 1], float(np.nextafter(floor[j], -np.inf)))
+                sel = ids
+            cand_q.append(np.full(len(sel), j))
+            cand_i.append(sel.astype(np.int64) + lo)
+    return _rescore(embeddings, queries, np.concatenate(cand_q), np.concatenate(cand_i), k)
+
+
+# -- torch: approximate pass, exact re-scoring ------------------------------------------------------------------
 _MV_MAX_QUERIES = 4       # up to this many queries: one fp16 matrix-vector product each (memory-bound)
 _FP16_U, _BF16_U = 2.0 ** -11, 2.0 ** -8   # unit roundoffs (round to nearest)
 
