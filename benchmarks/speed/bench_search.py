@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +42,7 @@ from clip_mini.retrieval.rows import BF16Rows, encode  # noqa: E402
 from clip_mini.retrieval.search import build_faiss, exact_search, faiss_available, faiss_search  # noqa: E402
 
 HNSW_MAX = 200_000
+NO_ANN = False
 
 
 def clustered(n: int, dim: int, seed: int = 0, block: int = 100_000) -> np.ndarray:
@@ -75,6 +77,40 @@ def read_floor(emb: np.ndarray, repeats: int) -> dict:
 
 def recall_at_10(approx: np.ndarray, exact: np.ndarray) -> float:
     return float(np.mean([len(set(a) & set(b)) / exact.shape[1] for a, b in zip(approx, exact)]))
+
+
+def recall_by_scores(rows, q: np.ndarray, scores: np.ndarray, k: int = 10) -> float:
+    """recall@k against float32 brute force, by score rather than id (rows with equal scores are interchangeable):
+    the share of the true k best scores that the returned list reaches, rank by rank, within float32 rounding."""
+    ref = np.empty((len(q), k), np.float32)
+    for s0 in range(0, len(q), 16):
+        sims = np.asarray(rows, np.float32) @ q[s0:s0 + 16].T   # (N, 16) float32 brute force
+        ref[s0:s0 + 16] = -np.sort(-np.partition(sims, len(sims) - k, axis=0)[-k:], axis=0).T
+    return float(np.mean(scores[:, :k] >= ref - 2e-6))
+
+
+def torch_free_arm(path: str, repeats: int) -> dict:
+    """The kernels a process without torch has (a cold ``clip-mini search``, a script): run in a fresh process
+    (``--torch-free-arm``) so that nothing here has imported torch."""
+    emb = np.load(path, mmap_mode="r")
+    n, dim = emb.shape
+    rng = np.random.default_rng(1)
+    qr = rng.standard_normal((64, dim)).astype(np.float32)
+    qr /= np.linalg.norm(qr, axis=1, keepdims=True)
+    out: dict = {"read_floor": read_floor(emb, repeats)}
+    floor = out["read_floor"]["p50_ms"]
+    for kernel, counts in (("faiss", (1, 2, 4, 16)), ("numpy", (1, 16, 64)), ("auto", (1, 4, 16, 64))):
+        if kernel == "faiss" and not S.faiss_scan_available():
+            continue
+        arm = out[f"exact_{kernel}"] = {}
+        for m in counts:
+            r = arm[f"q{m}"] = latencies(lambda: exact_search(emb, qr[:m], 10, kernel=kernel), repeats)
+            r["x_read_floor"] = round(r["p50_ms"] / floor, 2)
+            if kernel == "auto":
+                r["kernel"] = S.auto_kernel(n, m, True)
+                r["recall_at_10_by_score"] = recall_by_scores(emb, qr[:m], exact_search(emb, qr[:m], 10)[0])
+    out["torch_imported"] = "torch" in sys.modules
+    return out
 
 
 def fused_options(emb: np.ndarray, q: np.ndarray, repeats: int) -> dict:
@@ -126,6 +162,23 @@ def bench_size(n: int, dim: int, repeats: int, tmp: Path) -> dict:
                                                                  ref[m])} for m in (1, 64)}
     floor = out["read_floor"]["p50_ms"]
     out["exact_torch"]["q1"]["x_read_floor"] = round(out["exact_torch"]["q1"]["p50_ms"] / floor, 2)
+    if S.faiss_scan_available():   # the faiss scan in this process, torch loaded
+        out["exact_faiss"] = {}
+        for m in (1, 2, 4, 16):
+            r = out["exact_faiss"][f"q{m}"] = latencies(lambda: exact_search(emb, qr[:m], 10, kernel="faiss"), reps)
+            r["x_read_floor"] = round(r["p50_ms"] / floor, 2)
+            r["recall_at_10_by_score"] = recall_by_scores(emb, qr[:m], exact_search(emb, qr[:m], 10,
+                                                                                     kernel="faiss")[0])
+    out["exact_auto_torch_loaded"] = {}
+    for m in (1, 4, 16, 64):
+        r = out["exact_auto_torch_loaded"][f"q{m}"] = latencies(lambda: exact_search(emb, qr[:m], 10), reps)
+        r.update(x_read_floor=round(r["p50_ms"] / floor, 2), kernel=S.auto_kernel(n, m, True),
+                 recall_at_10_by_score=recall_by_scores(emb, qr[:m], exact_search(emb, qr[:m], 10)[0]))
+    # a fresh process that never imports torch
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, __file__, "--torch-free-arm", str(path), "--repeats", str(reps)],
+                       capture_output=True, text=True, env=env, check=True)
+    out["torch_free"] = json.loads(r.stdout.strip().splitlines()[-1])
     out["exact_numpy"]["q1"]["x_read_floor"] = round(out["exact_numpy"]["q1"]["p50_ms"] / floor, 2)
     # the same rows stored as bfloat16 (clip-mini index --dtype bfloat16): exact_search over a BF16Rows memory map
     bpath = tmp / f"emb-{n}-bf16.npy"
@@ -148,7 +201,7 @@ def bench_size(n: int, dim: int, repeats: int, tmp: Path) -> dict:
     q = np.asarray(emb[rng.integers(0, n, 64)], np.float32) + 0.05 * rng.standard_normal((64, dim)).astype(np.float32)
     q /= np.linalg.norm(q, axis=1, keepdims=True)
     _, exact_ids = exact_search(emb, q, 10)
-    if not faiss_available():
+    if not faiss_available() or NO_ANN:
         return out
     for kind in ("hnsw", "ivf"):
         if kind == "hnsw" and n > HNSW_MAX:
@@ -167,6 +220,39 @@ def bench_size(n: int, dim: int, repeats: int, tmp: Path) -> dict:
     return out
 
 
+def cold_cli(rows: int, repeats: int, tmp: Path) -> dict:
+    """Wall time of a cold ``clip-mini search`` (a fresh process: imports, opening the index, the torch-free text
+    tower, the search, printing) on a generated ``rows``-row index of the tiny model's width (bench_startup)."""
+    from benchmarks.speed.bench_startup import make_index, make_model, wall
+    from PIL import Image
+
+    image = tmp / "query.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(image)
+    model_dir = make_model(tmp / "model")
+    t = time.perf_counter()
+    index = make_index(tmp / "cold-index", model_dir, rows, image)
+    build_s = time.perf_counter() - t
+    cmd = [sys.executable, "-m", "clip_mini", "search", "--index", str(index), "a dog running on grass", "--json"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)   # exports the ONNX towers once
+    probe = ("import sys, runpy; sys.argv = ['clip-mini'] + sys.argv[1:]\n"
+             "from clip_mini.retrieval import search as S\n"
+             "picked = []\nreal = S.auto_kernel\n"
+             "S.auto_kernel = lambda *a: picked.append(real(*a)) or picked[-1]\n"
+             "try:\n    runpy.run_module('clip_mini', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "print('KERNEL', picked, 'torch' in sys.modules, file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", probe, *cmd[3:]], capture_output=True, text=True, cwd=ROOT,
+                       check=True)
+    kernel_line = [ln for ln in r.stderr.splitlines() if ln.startswith("KERNEL")][-1].split(maxsplit=1)[1]
+    n_dim = np.load(index / "embeddings-1.npy", mmap_mode="r").shape
+    return {"rows": rows, "dim": int(n_dim[1]), "index_files_mb": round(sum(
+                f.stat().st_size for f in index.iterdir() if f.is_file()) / 1e6, 1),
+            "make_index_s": round(build_s, 1), "kernel_and_torch_imported": kernel_line,
+            "text_query": wall(cmd, repeats), "python_import_numpy": wall([sys.executable, "-c", "import numpy"],
+                                                                           repeats),
+            "target_s": 0.5}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
@@ -175,7 +261,16 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice; 1 on a "
                    "busy shared machine, where threads waiting for a descheduled sibling cost tens of ms per op)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/speed/search.json"))
+    p.add_argument("--no-ann", action="store_true", help="leave out the faiss HNSW / IVF arms")
+    p.add_argument("--cold-rows", type=int, default=1_000_000, help="rows of the generated index a cold "
+                   "`clip-mini search` runs on (0: leave that arm out)")
+    p.add_argument("--torch-free-arm", metavar="NPY", help=argparse.SUPPRESS)   # internal: see torch_free_arm
     args = p.parse_args(argv)
+    if args.torch_free_arm:
+        print(json.dumps(torch_free_arm(args.torch_free_arm, args.repeats)))
+        return {}
+    global NO_ANN
+    NO_ANN = args.no_ann
     # The load average is recorded because a shared machine's other work distorts small timings badly (OpenBLAS
     # threads spin-waiting for a busy core can turn a 0.2 ms product into 15 ms).
     import torch
@@ -191,6 +286,9 @@ def main(argv=None) -> dict:
             r["bench_s"] = round(time.perf_counter() - t, 1)
             result["sizes"].append(r)
             print(json.dumps(r), flush=True)
+        if args.cold_rows:
+            result["cold_cli"] = cold_cli(args.cold_rows, args.repeats, Path(tmp))
+            print(json.dumps(result["cold_cli"]), flush=True)
     from clip_mini.fileio.atomic import atomic_write_json
 
     result["machine"]["loadavg_end"] = os.getloadavg()[0]
