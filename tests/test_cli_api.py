@@ -99,8 +99,8 @@ def test_moved_folder_and_index_keep_working(model_dir, tmp_path, capsys):
     write_images(home / "photos", 5)
     assert main(["index", "--model", str(model_dir), "--images", str(home / "photos"),
                  "--out", str(home / "photos-index"), "--quiet"]) == 0
-    items = (home / "photos-index" / "items-1.csv").read_text()
-    assert str(home) not in items and "img000.png" in items   # stored relative, the folder once in the manifest
+    items = (home / "photos-index" / "items-1.cols").read_bytes()
+    assert str(home).encode() not in items and b"img000.png" in items   # stored relative, the folder once in the manifest
     shutil.move(home, tmp_path / "b")
     capsys.readouterr()
     code, out, err = _run(["search", "--index", str(tmp_path / "b" / "photos-index"), "a red circle", "--json"],
@@ -117,23 +117,37 @@ def test_moved_folder_and_index_keep_working(model_dir, tmp_path, capsys):
 def test_format_version_1_indexes_are_still_read(model_dir, tmp_path):
     from conftest import write_images
 
-    from clip_mini.fileio.atomic import atomic_write_json, sha256_file
+    from clip_mini.fileio.atomic import atomic_write_json, atomic_write_text, sha256_file
     from clip_mini.retrieval import format as F
 
     write_images(tmp_path / "photos", 3)
     index = EmbeddingIndex.build(tmp_path / "idx", model_dir, tmp_path / "photos")
+    assert index.manifest["format_version"] == 4 and index.manifest["files"]["items"] == "items-1.cols"
+    want = {c: list(index.items[c]) for c in F.ITEM_COLUMNS}
+    # version 2 (and 3): an items CSV with paths relative to the manifest's root
     m = dict(index.manifest)
-    F.atomic_write_text(tmp_path / "idx" / m["files"]["items"], F.items_csv(index.items))   # absolute paths
+    rel, _ = F.relative_items(want, tmp_path / "idx")
+    atomic_write_text(tmp_path / "idx" / "items-1.csv", F.items_csv(rel))
+    m["files"] = {**m["files"], "items": "items-1.csv"}
+    m.update(format_version=2, checksums={n: sha256_file(tmp_path / "idx" / n) for n in m["files"].values()})
+    m["manifest_sha256"] = F._manifest_digest(m)
+    atomic_write_json(tmp_path / "idx" / "manifest.json", m)
+    old = EmbeddingIndex.load(tmp_path / "idx")
+    assert {c: list(old.items[c]) for c in F.ITEM_COLUMNS} == want
+    assert old.search_text("a red circle", k=2) == index.search_text("a red circle", k=2)
+    # version 1: absolute paths, no root
+    atomic_write_text(tmp_path / "idx" / "items-1.csv", F.items_csv(want))
     m.update(format_version=1, checksums={n: sha256_file(tmp_path / "idx" / n) for n in m["files"].values()})
     m.pop("root")
     m["manifest_sha256"] = F._manifest_digest(m)
     atomic_write_json(tmp_path / "idx" / "manifest.json", m)
     old = EmbeddingIndex.load(tmp_path / "idx")
     assert old.items["path"] == index.items["path"]
-    m["format_version"] = 4
+    m["format_version"] = 5
     m["manifest_sha256"] = F._manifest_digest(m)
     atomic_write_json(tmp_path / "idx" / "manifest.json", m)
-    with pytest.raises(clip_mini.EmbeddingIndexError, match="format version 4, this clip_mini reads versions 1, 2, 3"):
+    with pytest.raises(clip_mini.EmbeddingIndexError,
+                       match="format version 5, this clip_mini reads versions 1, 2, 3, 4"):
         EmbeddingIndex.load(tmp_path / "idx")
 
 

@@ -97,9 +97,9 @@ def test_bf16_index_format_search_and_conversions(tmp_path, embedder, image_fold
     fp16 = _build(tmp_path / "fp16", embedder, image_folder)
     bf16 = _build(tmp_path / "bf16", embedder, image_folder, dtype="bfloat16")
     manifest = json.loads((tmp_path / "bf16" / "manifest.json").read_text())
-    assert manifest["dtype"] == "bfloat16" and manifest["format_version"] == 3
+    assert manifest["dtype"] == "bfloat16" and manifest["format_version"] == 4
     assert np.load(tmp_path / "bf16" / manifest["files"]["embeddings"]).dtype == np.uint16
-    assert json.loads((tmp_path / "fp16" / "manifest.json").read_text())["format_version"] == 2
+    assert json.loads((tmp_path / "fp16" / "manifest.json").read_text())["format_version"] == 4
     loaded = EmbeddingIndex.load(tmp_path / "bf16")
     assert isinstance(loaded.embeddings, BF16Rows)
     np.testing.assert_allclose(np.asarray(loaded.embeddings), np.asarray(fp16.embeddings, np.float32), atol=4e-3)

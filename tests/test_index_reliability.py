@@ -112,4 +112,4 @@ def test_readers_never_see_a_mix_of_generations(tmp_path, model_dir, image_folde
         loads, generations = map(int, stdout.split())
         assert loads >= 5 and generations >= 2
     kept = {p.name for p in out.iterdir() if p.name.startswith(("embeddings-", "items-"))}
-    assert kept == {"embeddings-16.npy", "embeddings-17.npy", "items-16.csv", "items-17.csv"}   # old ones removed
+    assert kept == {"embeddings-16.npy", "embeddings-17.npy", "items-16.cols", "items-17.cols"}   # old ones removed

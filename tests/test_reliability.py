@@ -365,7 +365,7 @@ CORPUS: dict[str, Case] = {
     "index-manifest-not-json": _index_case(_write("manifest.json", b"\x00\x01garbage"), ["manifest.json"]),
     "index-embeddings-missing": _index_case(lambda d: next(d.glob("embeddings-*.npy")).unlink(),
                                             ["embeddings-"]),
-    "index-items-truncated": _index_case(lambda d: next(d.glob("items-*.csv")).write_text("path\n"),
+    "index-items-truncated": _index_case(lambda d: next(d.glob("items-*.cols")).write_text("path\n"),
                                          ["items-", "corrupt"]),
     "index-path-is-a-file": Case(_file_as_index),
 }

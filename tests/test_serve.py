@@ -277,7 +277,7 @@ def _generation_files(index_dir: Path, gen: int):
     """One generation's rows and item paths, read straight from its files (paths as stored: maybe relative)."""
     from clip_mini.retrieval.format import read_items
 
-    return (np.load(index_dir / f"embeddings-{gen}.npy"), read_items(index_dir / f"items-{gen}.csv")["path"])
+    return (np.load(index_dir / f"embeddings-{gen}.npy"), list(read_items(index_dir / f"items-{gen}.cols")["path"]))
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ Imports run one way (each module imports only those above it)::
 
     rows     stored embedding rows: float16, or bfloat16 bits read as float32 (index --dtype)
     search   exact and faiss back ends (numpy; faiss when installed)
+    items    the columnar, memory-mapped items table (format version 4), read row by row
     faiss_auto  index --faiss auto: tune the faiss search parameter to a recall target on proxy queries
     format   the directory format: manifest, items table, generations, atomic commits, writer lock, shard layout
     files    finding image files and embedding them in batches (the indexing loader)

@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from clip_mini.errors import ClipMiniError
-from clip_mini.fileio.atomic import atomic_write_json, atomic_write_text, sha256_file
+from clip_mini.fileio.atomic import atomic_write_json, sha256_file
 from clip_mini.retrieval.rows import storage_dtype, wrap
 
 # 2: item paths are relative to the manifest's "root" (the indexed folder, recorded once), so a folder moved or
@@ -29,12 +29,15 @@ FORMAT_VERSION = 2
 # 3: bfloat16 rows (stored as uint16 bits, see clip_mini.retrieval.rows); float16 indexes stay version 2, so a
 # clip_mini that predates bfloat16 still reads them and refuses a bf16 one with a clear "format version" error
 BF16_FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+# 4: the items table columnar and memory-mapped (items-<gen>.cols, clip_mini.retrieval.items), read row by row
+# instead of whole; what every commit writes now, float16 or bfloat16. Versions 1-3 (items CSV) are still read.
+COLUMNAR_FORMAT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
 # Rows indexed from WebDataset shards add where the image sits (path is "shard#key"); a reader that predates
 # them stops at the header with "expected columns ...", so the format version stays.
 WDS_COLUMNS = ("shard", "key", "offset", "length")
-_DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|index)$")
+_DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|cols|index)$")
 
 
 class EmbeddingIndexError(ClipMiniError, ValueError):
@@ -110,8 +113,29 @@ def absolute_items(items: dict[str, list], manifest: dict, index_dir: Path) -> d
                               else os.path.normpath(os.path.join(root, p)) for p in items["path"]]}
 
 
-def read_items(path: Path) -> dict[str, list]:
-    """Read an items CSV into columns (stdlib csv: the search path does not import pandas)."""
+def open_items(path: Path, manifest: dict, index_dir: Path) -> dict:
+    """The items table of an index with absolute paths: columnar (version 4) read lazily, CSV (versions 1-3)
+    read whole."""
+    if path.suffix == ".csv":
+        return absolute_items(read_items(path), manifest, index_dir)
+    from clip_mini.retrieval.items import ItemsFormatError, read_items as read_columnar
+
+    try:
+        return read_columnar(path, items_root(manifest, index_dir))
+    except ItemsFormatError as e:
+        raise EmbeddingIndexError(str(e)) from None
+
+
+def read_items(path: Path) -> dict:
+    """Read an items file into columns as stored (paths as written): a CSV whole, into lists (stdlib csv: the
+    search path does not import pandas); a columnar ``.cols`` file lazily (``clip_mini.retrieval.items``)."""
+    if Path(path).suffix != ".csv":
+        from clip_mini.retrieval.items import ItemsFormatError, read_items as read_columnar
+
+        try:
+            return read_columnar(path)
+        except ItemsFormatError as e:
+            raise EmbeddingIndexError(str(e)) from None
     try:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
@@ -156,9 +180,11 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
     """
     from clip_mini.version import __version__
 
-    emb_name, items_name = f"embeddings-{generation}.npy", f"items-{generation}.csv"
+    from clip_mini.retrieval.items import write_items
+
+    emb_name, items_name = f"embeddings-{generation}.npy", f"items-{generation}.cols"
     items, root = relative_items(items, path)
-    atomic_write_text(path / items_name, items_csv(items))
+    write_items(path / items_name, items, ITEM_COLUMNS + WDS_COLUMNS if "shard" in items else ITEM_COLUMNS)
     files = {"embeddings": emb_name, "items": items_name}
     faiss_params = None
     if faiss_kind:
@@ -172,7 +198,7 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
     previous = current_generation(path)
     emb = wrap(np.load(path / emb_name, mmap_mode="r"))
     manifest = {
-        "format_version": BF16_FORMAT_VERSION if storage_dtype(emb) == "bfloat16" else FORMAT_VERSION,
+        "format_version": COLUMNAR_FORMAT_VERSION,
         "generation": generation, "files": files,
         "checksums": {name: sha256_file(path / name) for name in files.values()},
         "count": int(emb.shape[0]), "dim": int(emb.shape[1]), "dtype": storage_dtype(emb), "faiss_kind": faiss_kind,

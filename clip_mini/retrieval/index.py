@@ -5,7 +5,9 @@ Index directory (format version 1)::
     manifest.json           names the current generation's files; model fingerprint, dim, count, checksums
     embeddings-<gen>.npy    (count, dim) float16 (or bfloat16 bits as uint16: --dtype bfloat16, format version 3),
                             L2-normalised; row i belongs to items row i
-    items-<gen>.csv         path, size, mtime_ns, sha256, caption; sorted by path
+    items-<gen>.cols        path, size, mtime_ns, sha256, caption (+ shard, key, offset, length for WebDataset
+                            rows); sorted by path; columnar, read row by row (format version 4, ``items``;
+                            versions 1-3 wrote items-<gen>.csv, still read)
     faiss-<gen>.index       optional approximate index over the same rows
     skipped.csv             images the last build could not embed, with the reason
     .work/                  embeddings of an unfinished build (what a resumed build reuses)

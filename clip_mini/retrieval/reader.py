@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from clip_mini.fileio.checksums import known_sha256
-from clip_mini.retrieval.format import EmbeddingIndexError, absolute_items, read_items, read_manifest
+from clip_mini.retrieval.format import EmbeddingIndexError, open_items, read_manifest
 from clip_mini.retrieval.rows import DTYPES, numpy_dtype, unit_rows, wrap
 
 _OPEN_RETRIES = 5
@@ -24,10 +24,19 @@ class IndexReader:
     query with ``search`` (arrays of scores and row ids; ``paths[ids]`` names the files).
     """
 
-    def __init__(self, path: Path, manifest: dict, embeddings: np.ndarray, items: dict[str, list]):
+    def __init__(self, path: Path, manifest: dict, embeddings: np.ndarray, items: dict):
+        # items: {column: sequence}; lists for an index with an items CSV, lazily read columns for a columnar one
         self.path, self.manifest, self.embeddings, self.items = Path(path), manifest, embeddings, items
-        self.paths = np.array(items["path"], dtype=object)
         self._faiss = None
+        self._paths = None
+
+    @property
+    def paths(self) -> np.ndarray:
+        """Every row's path as an object array (``paths[ids]`` names search results); built on first use, which
+        on a large index reads the whole path column: ``items["path"][i]`` reads one row."""
+        if self._paths is None:
+            self._paths = np.array(list(self.items["path"]), dtype=object)
+        return self._paths
 
     def __len__(self) -> int:
         return int(self.manifest["count"])
@@ -94,7 +103,7 @@ class IndexReader:
             raise EmbeddingIndexError(f"{emb_path} holds {embeddings.dtype} {embeddings.shape}, manifest.json says "
                                       f"{dtype} {want}")
         embeddings = wrap(embeddings)   # bfloat16 bits: a view that reads as float32
-        items = absolute_items(read_items(path / files["items"]), manifest, path)
+        items = open_items(path / files["items"], manifest, path)
         if len(items["path"]) != want[0]:
             raise EmbeddingIndexError(f"{path / files['items']} has {len(items['path'])} rows, manifest.json "
                                       f"says {want[0]}")
