@@ -230,3 +230,23 @@ def test_serve_shows_shard_rows_read_back_by_offset(shapes_wds, model_dir, tmp_p
         assert got.status_code == 200 and got.content == read_image(ix.items, 5)   # the tar member's bytes
         thumb = client.get("/thumb/5")
         assert thumb.status_code == 200 and thumb.headers["content-type"] == "image/jpeg"
+
+
+def test_shard_paths_are_relative_so_moved_shards_are_read_back(shapes_wds, model_dir, tmp_path):
+    """Shards and their index moved together: rows still name the shard files, at their new place, and read back
+    by offset; the items file holds no absolute shard path."""
+    import shutil
+
+    src = tmp_path / "a"
+    shutil.copytree(Path(shapes_wds["train"]).parent, src / "train")
+    pattern = str(src / "train" / Path(shapes_wds["train"]).name)
+    assert main(["index", "--model", str(model_dir), "--shards", pattern, "--out", str(src / "ix"), "--quiet"]) == 0
+    before = IndexReader.load(src / "ix")
+    blobs = [read_image(before.items, r) for r in (0, 57, 119)]
+    raw = next((src / "ix").glob("items-*.cols")).read_bytes()
+    assert str(src).encode() not in raw   # neither the paths nor the shard column is stored absolute
+    shutil.move(src, tmp_path / "b")
+    moved = IndexReader.load(tmp_path / "b" / "ix")
+    assert all(s.startswith(str(tmp_path / "b" / "train")) for s in moved.items["shard"])
+    assert moved.items["path"][0] == f"{moved.items['shard'][0]}#{moved.items['key'][0]}"
+    assert [read_image(moved.items, r) for r in (0, 57, 119)] == blobs

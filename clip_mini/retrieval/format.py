@@ -68,8 +68,10 @@ def read_manifest(path: str | Path) -> dict:
 
 
 def relative_items(items: dict[str, list], index_dir: Path) -> tuple[dict[str, list], Optional[dict]]:
-    """Item paths relative to the deepest folder holding them all, and that folder (absolute, and relative to
-    the index directory); paths stay as given when any is not absolute."""
+    """Item paths (and WebDataset rows' shard files) relative to the deepest folder holding them all, and that
+    folder (absolute, and relative to the index directory); paths stay as given when any is not absolute. A
+    columnar index (format version 4) joins both back on reading; an items CSV (versions 1-3) stored shard files
+    absolute."""
     paths = items["path"]
     if not paths or not all(os.path.isabs(p) for p in paths):
         return items, None
@@ -82,7 +84,10 @@ def relative_items(items: dict[str, list], index_dir: Path) -> tuple[dict[str, l
     except ValueError:   # the index on another drive: only the absolute folder can find it
         from_index = None
     rel = [Path(os.path.relpath(p, root)).as_posix() for p in paths]
-    return {**items, "path": rel}, {"path": root, "from_index": from_index}
+    out = {**items, "path": rel}
+    if "shard" in items:   # WebDataset rows: the tar files too, so shards moved with their index are found
+        out["shard"] = [Path(os.path.relpath(s, root)).as_posix() if os.path.isabs(s) else s for s in items["shard"]]
+    return out, {"path": root, "from_index": from_index}
 
 
 def items_root(manifest: dict, index_dir: Path) -> Optional[str]:

@@ -35,6 +35,7 @@ _ALIGN = 64
 _HEADER_ROOM = 8192   # bytes reserved for the header (a few hundred are used): sections follow at a fixed offset
 _CHUNK = 65536        # rows encoded / decoded per step
 INT_COLUMNS = ("size", "mtime_ns", "offset", "length")
+ROOTED_COLUMNS = ("path", "shard")   # joined to the root given to read_items
 
 
 class ItemsFormatError(ClipMiniError, ValueError):
@@ -182,7 +183,8 @@ def _write(tmp: Path, items: dict[str, Iterable], names: Sequence[str]) -> None:
 
 
 def read_items(path: str | Path, root: Optional[str] = None) -> dict[str, Column]:
-    """Open an items file: ``{column: Column}``, with the ``path`` column joined to ``root`` when given.
+    """Open an items file: ``{column: Column}``, with the ``path`` and ``shard`` columns joined to ``root`` when
+    given.
 
     Raises ItemsFormatError (a damaged file: wrong magic, truncated, sections outside the file)."""
     path = Path(path)
@@ -225,7 +227,8 @@ def read_items(path: str | Path, root: Optional[str] = None) -> dict[str, Column
             if int(off[0]) != 0 or int(off[-1]) != blob.nbytes:
                 raise ItemsFormatError(f"{path} is corrupt: column {name}'s offsets do not span its text")
             col = StrColumn(off, blob, name, path)
-            cols[name] = col.with_root(root) if name == "path" and root is not None else col
+            # paths and WebDataset shard files are stored relative to the index's root (absolute ones stay so)
+            cols[name] = col.with_root(root) if name in ROOTED_COLUMNS and root is not None else col
         else:
             raise ItemsFormatError(f"{path} is corrupt: column {name} of unknown kind {kind!r}")
     return cols
