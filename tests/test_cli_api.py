@@ -100,7 +100,7 @@ def test_moved_folder_and_index_keep_working(model_dir, tmp_path, capsys):
     assert main(["index", "--model", str(model_dir), "--images", str(home / "photos"),
                  "--out", str(home / "photos-index"), "--quiet"]) == 0
     items = (home / "photos-index" / "items-1.cols").read_bytes()
-    assert str(home).encode() not in items and b"img000.png" in items   # stored relative, the folder once in the manifest
+    assert str(home).encode() not in items and b"img000.png" in items   # relative; the folder once in the manifest
     shutil.move(home, tmp_path / "b")
     capsys.readouterr()
     code, out, err = _run(["search", "--index", str(tmp_path / "b" / "photos-index"), "a red circle", "--json"],

@@ -15,8 +15,8 @@ def _items(n: int) -> dict:
     odd = os.fsdecode(b"caf\xe9-latin1.jpg")   # a file name that is not UTF-8 (surrogate-escaped)
     return {"path": [f"a/{i:05d}.jpg" if i % 7 else odd for i in range(n)],
             "size": [i * 1000 for i in range(n)], "mtime_ns": [2 ** 62 + i for i in range(n)],
-            "sha256": [f"{i:064x}" for i in range(n)], "caption": ["", "a dog, \"quoted\"\nand a newline", "çé"] * (n // 3)
-            + [""] * (n % 3),
+            "sha256": [f"{i:064x}" for i in range(n)],
+            "caption": ["", "a dog, \"quoted\"\nand a newline", "çé"] * (n // 3) + [""] * (n % 3),
             "shard": ["/data/s-000.tar"] * n, "key": [str(i) for i in range(n)], "offset": list(range(n)),
             "length": [512] * n}
 
