@@ -46,6 +46,7 @@ import numpy as np
 from clip_mini.retrieval.rows import BF16Rows, bf16_bits_to_f32, f32_to_bf16_bits
 
 FaissKind = Literal["hnsw", "ivf", "ivfpq"]
+KERNELS = ("auto", "numpy", "onnxruntime", "torch", "faiss")
 # Above this many rows `auto` prefers a stored faiss index: exact search time grows with the rows (the float16 ->
 # float32 conversion dominates, far above the time to read the matrix once) while faiss IVF stays fast at full
 # recall on clustered data (benchmarks/results/speed/search.json).
@@ -112,7 +113,7 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
         k: results per query; clipped to N.
         chunk_rows: rows scored per step of the numpy kernel (default: an 8 MB float32 block, which stays in cache
             between the conversion and the product).
-        kernel: "numpy", "torch", "faiss", or "auto" (``auto_kernel``; see the module docstring).
+        kernel: "numpy", "onnxruntime", "torch", "faiss", or "auto" (``auto_kernel``; see the module docstring).
 
     Returns:
         ``scores`` (Q, k) float32 cosine similarities, best first, and ``ids`` (Q, k) int64 row numbers.
@@ -120,8 +121,8 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     n, dim = embeddings.shape
     queries = _check_queries(queries, dim, k)
     k = min(k, n)
-    if kernel not in ("auto", "numpy", "torch", "faiss"):
-        raise ValueError(f"unknown exact-search kernel {kernel!r} (use auto, numpy, torch or faiss)")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown exact-search kernel {kernel!r} (use {', '.join(KERNELS)})")
     bf16 = isinstance(embeddings, BF16Rows)
     if kernel == "auto":
         kernel = auto_kernel(n, len(queries), bf16 or embeddings.dtype == np.float16)
@@ -129,6 +130,8 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
         return _exact_torch(embeddings, queries, k)
     if kernel == "faiss":
         return _exact_faiss(embeddings, queries, k)
+    if kernel == "onnxruntime":
+        return _exact_ort(embeddings, queries, k)
     chunk_rows = max(chunk_rows or (1 << 21) // dim, 1)
     # Buffers reused for every chunk: fresh arrays per chunk cost page faults that dominate the arithmetic.
     block = np.empty((min(chunk_rows, n), dim), np.float32)
@@ -166,25 +169,117 @@ def _merge_chunk(best_s: np.ndarray, best_i: np.ndarray, sims: np.ndarray, offse
 
 TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
 # The faiss scan reads the whole matrix once per query per core, the matrix-product kernels once for all queries:
-# up to this many queries the scan is the faster one (benchmarks/bench_search.py, faiss_scan and the crossovers).
+# up to this many queries the scan is the faster one (benchmarks/bench_search.py: exact_faiss against
+# exact_torch with torch loaded, against exact_onnxruntime in torch_free).
 FAISS_SCAN_MAX_QUERIES = 4
-# Without torch the alternative is the numpy kernel (a float32 product after converting every row), which the
-# scan beats for more queries.
-FAISS_SCAN_MAX_QUERIES_NO_TORCH = 16
+FAISS_SCAN_MAX_QUERIES_NO_TORCH = 4
 FAISS_SCAN_MIN_ROWS = 50_000   # below this numpy takes a few ms, less than importing faiss
+ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
 
 
 def auto_kernel(n: int, n_queries: int, sixteen_bit: bool) -> str:
     """The exact-search kernel ``auto`` picks for ``n`` rows and ``n_queries`` queries (see the module docstring):
-    the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not), torch's matrix products
-    for more when torch is already imported (importing it costs seconds), else numpy."""
+    the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not); for more, torch's matrix
+    products when torch is already imported (importing it costs seconds), else onnxruntime's (a core dependency,
+    already loaded for the query towers); numpy for small or float32 matrices."""
     torch_loaded = "torch" in sys.modules
     if not sixteen_bit:
         return "numpy"
     few = FAISS_SCAN_MAX_QUERIES if torch_loaded and n >= TORCH_MIN_ROWS else FAISS_SCAN_MAX_QUERIES_NO_TORCH
     if n_queries <= few and (n >= FAISS_SCAN_MIN_ROWS or "faiss" in sys.modules) and faiss_scan_available():
         return "faiss"
-    return "torch" if torch_loaded and n >= TORCH_MIN_ROWS else "numpy"
+    if torch_loaded and n >= TORCH_MIN_ROWS:
+        return "torch"
+    return "onnxruntime" if n >= ORT_MIN_ROWS and _ort_available() else "numpy"
+
+
+# -- onnxruntime: the numpy kernel's chunked product, converted and multiplied by MLAS ------------------------------
+_ORT_CHUNK = 4096   # rows per call: the float32 copy of a chunk stays in the L2 cache between Cast and Gemm
+_ort_sessions: dict = {}
+
+
+def _ort_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("onnxruntime") is not None
+
+
+def _ort_session(dim: int, float16: bool):
+    """A session computing Q @ E.T for a chunk E of rows: float16 rows cast to float32 inside (MLAS converts with
+    F16C, several times numpy's float16 cast), float32 rows (bf16 widened by ``bf16_bits_to_f32``) as they are."""
+    key = (dim, float16)
+    if key not in _ort_sessions:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        nodes = [helper.make_node("Gemm", ["Q", "Ef" if float16 else "E"], ["S"], transB=1)]
+        if float16:
+            nodes.insert(0, helper.make_node("Cast", ["E"], ["Ef"], to=TensorProto.FLOAT))
+        graph = helper.make_graph(
+            nodes, "scores",
+            [helper.make_tensor_value_info("E", TensorProto.FLOAT16 if float16 else TensorProto.FLOAT, ["n", dim]),
+             helper.make_tensor_value_info("Q", TensorProto.FLOAT, ["m", dim])],
+            [helper.make_tensor_value_info("S", TensorProto.FLOAT, ["m", "n"])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        so = ort.SessionOptions()
+        # worker threads that spin between calls take the cores the merge (and any other process) needs; on a
+        # busy machine spinning made the whole search several times slower
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.log_severity_level = 3
+        _ort_sessions[key] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return _ort_sessions[key]
+
+
+def _exact_ort(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 scores chunk by chunk from onnxruntime (conversion and product in one call, into one reused
+    output buffer), each query's top ``k + 32`` kept, then exact re-scoring of every row within the float32
+    product's error bound of the K-th best: a BLAS product may round equal rows differently by where they fall
+    in its blocks, so its own order is not the float32 top-K with ties by row id. A query whose short list ends
+    above the floor (many near-ties) gets a second pass collecting every row above it."""
+    bf16 = isinstance(embeddings, BF16Rows)
+    if not bf16 and embeddings.dtype != np.float16:
+        raise ValueError(f"the onnxruntime exact-search kernel reads float16 or bfloat16 rows, not {embeddings.dtype}")
+    n, dim = embeddings.shape
+    keep = min(n, k + _SCAN_EXTRA)
+    best_s = np.full((len(queries), keep), -np.inf, dtype=np.float32)
+    best_i = np.full((len(queries), keep), -1, dtype=np.int64)
+    for start, sims in _ort_chunks(embeddings, queries, bf16):
+        _merge_chunk(best_s, best_i, sims, start)
+    # 16-bit rows widen to float32 exactly and the query is float32: only the accumulation rounds
+    floor = -np.sort(-best_s, axis=1)[:, k - 1] - _margin(0.0, 0, dim)
+    short = (best_s >= floor[:, None]) & (best_i >= 0)
+    cand_q, cand_i = [np.nonzero(short)[0]], [best_i[short]]
+    again = np.flatnonzero((best_s.min(axis=1) >= floor) & (keep < n))
+    if len(again):
+        for start, sims in _ort_chunks(embeddings, queries[again], bf16):
+            qs, cols = np.nonzero(sims >= floor[again, None])
+            cand_q.append(again[qs])
+            cand_i.append(cols.astype(np.int64) + start)
+    return _rescore(embeddings, queries, np.concatenate(cand_q), np.concatenate(cand_i), k)
+
+
+def _ort_chunks(embeddings, queries: np.ndarray, bf16: bool):
+    """(start, scores of rows start.. for every query) chunk by chunk; the scores array is reused."""
+    n, dim = embeddings.shape
+    sess = _ort_session(dim, not bf16)
+    io = sess.io_binding()
+    queries = np.ascontiguousarray(queries)
+    io.bind_cpu_input("Q", queries)
+    step = min(_ORT_CHUNK, n)
+    sims = np.empty(len(queries) * step, np.float32)
+    wide = np.empty((step, dim), np.float32) if bf16 else None
+    for start in range(0, n, step):
+        c = min(step, n - start)
+        if bf16:
+            chunk = bf16_bits_to_f32(embeddings.bits[start:start + c], out=wide[:c])
+        else:
+            chunk = np.ascontiguousarray(embeddings[start:start + c])
+        io.bind_cpu_input("E", chunk)
+        out = sims[:len(queries) * c]   # contiguous (Q, c)
+        io.bind_output("S", "cpu", 0, np.float32, [len(queries), c], out.ctypes.data)
+        sess.run_with_iobinding(io)
+        yield start, out.reshape(len(queries), c)
 
 
 # -- faiss scan: faiss's scalar-quantizer flat index over the stored rows ------------------------------------------

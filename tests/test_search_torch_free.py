@@ -1,7 +1,8 @@
-"""The faiss exact-search kernel (a scalar-quantizer flat index over the stored float16 / bfloat16 bytes): its top-K
-is the float32 brute-force top-K of the rows as stored (ties by row id, k above the row count, near-ties that
-overflow a part's short list), its approximate scores stay inside the bound its short list relies on, it reads the
-rows in place, and ``auto`` picks it in a process that has not imported torch."""
+"""The torch-free exact-search kernels: faiss (a scalar-quantizer flat index over the stored float16 / bfloat16
+bytes) and onnxruntime (chunked conversion and product). Their top-K is the float32 brute-force top-K of the rows
+as stored (ties by row id, k above the row count, near-ties that overflow a short list), faiss's approximate scores
+stay inside the bound its short list relies on, faiss reads the rows in place, and ``auto`` picks faiss for one
+query and onnxruntime for many in a process that has not imported torch."""
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from clip_mini.retrieval import search as S
 from clip_mini.retrieval.rows import BF16Rows, encode
 
-pytestmark = pytest.mark.skipif(not S.faiss_scan_available(), reason="faiss >= 1.11 not installed")
+needs_faiss = pytest.mark.skipif(not S.faiss_scan_available(), reason="faiss >= 1.11 not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,42 +46,48 @@ def _rows(storage: str, n: int, d: int, seed: int):
     return rows, q
 
 
+KERNEL_CASES = [pytest.param("faiss", t, marks=needs_faiss) for t in (1, 2, 3)] + [("onnxruntime", 1)]
+
+
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
-@pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("extra", [32, 2])   # 2: near-ties overflow each part's short list -> range search
-def test_faiss_kernel_equals_float32_brute_force(storage, threads, extra, monkeypatch):
+@pytest.mark.parametrize("kernel,threads", KERNEL_CASES)
+@pytest.mark.parametrize("extra", [32, 2])   # 2: near-ties overflow the short lists -> range search / second pass
+def test_kernel_equals_float32_brute_force(storage, kernel, threads, extra, monkeypatch):
     monkeypatch.setattr(S, "_scan_threads", lambda faiss: threads)   # rows split into parts for < threads queries
     monkeypatch.setattr(S, "_SCAN_EXTRA", extra)
+    monkeypatch.setattr(S, "_ORT_CHUNK", 700)   # several chunks, a partial last one
     n = 5003
     rows, q = _rows(storage, n, 48, seed=threads)
     for nq in (1, 2, 5):
         for k in (1, 10, 60, n + 7):   # k above the row count: every row, in order
-            scores, ids = S.exact_search(rows, q[:nq], k=k, kernel="faiss")
+            scores, ids = S.exact_search(rows, q[:nq], k=k, kernel=kernel)
             ref_s, ref_i = _reference(rows, q[:nq], min(k, n))
             np.testing.assert_array_equal(ids, ref_i)
             np.testing.assert_array_equal(scores, ref_s)
     # query 0 is row 3 itself: its 48 copies come first, by row id
-    scores, ids = S.exact_search(rows, q[:1], k=48, kernel="faiss")
+    scores, ids = S.exact_search(rows, q[:1], k=48, kernel=kernel)
     assert ids[0].tolist() == [3] + list(range(n // 2, n // 2 + 45)) + [n - 1] + ids[0, 47:].tolist()
     assert scores[0, 0] == scores[0, 46]
 
 
-def test_faiss_kernel_on_a_memory_map_small_and_single_row(tmp_path):
+@pytest.mark.parametrize("kernel", [pytest.param("faiss", marks=needs_faiss), "onnxruntime"])
+def test_kernel_on_a_memory_map_small_and_single_row(tmp_path, kernel):
     rng = np.random.default_rng(3)
     np.save(tmp_path / "e.npy", _unit(rng, 700, 16).astype(np.float16))
     mm = np.load(tmp_path / "e.npy", mmap_mode="r")
     q = _unit(rng, 1, 16)[0]   # a (d,) query
-    scores, ids = S.exact_search(mm, q, k=5, kernel="faiss")
+    scores, ids = S.exact_search(mm, q, k=5, kernel=kernel)
     ref_s, ref_i = _reference(mm, q[None], 5)
     np.testing.assert_array_equal(ids, ref_i)
     np.testing.assert_array_equal(scores, ref_s)
     one = np.asarray(mm[:1])
-    scores, ids = S.exact_search(one, q, k=3, kernel="faiss")
+    scores, ids = S.exact_search(one, q, k=3, kernel=kernel)
     assert ids.tolist() == [[0]] and scores.shape == (1, 1)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        S.exact_search(np.asarray(mm, np.float32), q, k=3, kernel="faiss")
+        S.exact_search(np.asarray(mm, np.float32), q, k=3, kernel=kernel)
 
 
+@needs_faiss
 def test_faiss_scan_reads_the_rows_in_place():
     import faiss
 
@@ -93,6 +100,7 @@ def test_faiss_scan_reads_the_rows_in_place():
     assert before == 0 and view.search(rows[7:8].astype(np.float32), 1)[1][0, 0] == 7
 
 
+@needs_faiss
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
 def test_margin_bounds_the_faiss_scan_scores(storage):
     """The short list is safe only if faiss's scores stay within half the margin of the exact ones: faiss decodes
@@ -116,35 +124,39 @@ def test_margin_bounds_the_faiss_scan_scores(storage):
         assert err <= S._margin(0.0, 0, 256) / 2, err
 
 
-def test_auto_picks_faiss_without_torch(tmp_path):
-    """A process that never imported torch (a cold `clip-mini search`) gets the faiss kernel, and its results."""
+@needs_faiss
+def test_auto_picks_torch_free_kernels_without_torch(tmp_path):
+    """A process that never imported torch (a cold `clip-mini search`) gets the faiss kernel for one query and
+    onnxruntime's for many, and their results."""
     rng = np.random.default_rng(6)
-    n = S.FAISS_SCAN_MIN_ROWS + 10
+    n = max(S.FAISS_SCAN_MIN_ROWS, S.ORT_MIN_ROWS) + 10
     np.save(tmp_path / "e.npy", _unit(rng, n, 32).astype(np.float16))
-    np.save(tmp_path / "q.npy", _unit(rng, 1, 32))
+    np.save(tmp_path / "q.npy", _unit(rng, 40, 32))
     code = (
         "import sys, numpy as np\n"
         "from clip_mini.retrieval import search as S\n"
         f"e = np.load({str(tmp_path / 'e.npy')!r}, mmap_mode='r'); q = np.load({str(tmp_path / 'q.npy')!r})\n"
-        "picked = S.auto_kernel(len(e), 1, True)\n"
         "calls = []\n"
-        "real = S._exact_faiss\n"
-        "S._exact_faiss = lambda *a: calls.append(1) or real(*a)\n"
-        "s, i = S.exact_search(e, q, 10)\n"
-        "ref = S.exact_search(e, q, 10, kernel='numpy')\n"
-        "assert (i == ref[1]).all() and np.allclose(s, ref[0], atol=1e-6)\n"
-        "print(picked, len(calls), 'torch' in sys.modules)\n")
+        "for name in ('_exact_faiss', '_exact_ort', '_exact_torch'):\n"
+        "    real = getattr(S, name)\n"
+        "    setattr(S, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))\n"
+        "for m in (1, 40):\n"
+        "    s, i = S.exact_search(e, q[:m], 10)\n"
+        "    ref = S.exact_search(e, q[:m], 10, kernel='numpy')\n"
+        "    assert (i == ref[1]).all() and np.allclose(s, ref[0], atol=1e-6)\n"
+        "print(*calls, 'torch' in sys.modules)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["faiss", "1", "False"]
+    assert out.stdout.split() == ["_exact_faiss", "_exact_ort", "False"]
 
 
 def test_auto_kernel_choices(monkeypatch):
     monkeypatch.setattr(S, "faiss_scan_available", lambda: True)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
-    assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES_NO_TORCH + 1, True) == "numpy"
+    assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES_NO_TORCH + 1, True) == "onnxruntime"
+    assert S.auto_kernel(1000, 64, True) == "numpy"        # a small matrix: not worth a session
     assert S.auto_kernel(1_000_000, 1, False) == "numpy"   # float32 rows: no 16-bit codes to scan
     monkeypatch.setitem(sys.modules, "torch", object())
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
