@@ -1,5 +1,13 @@
 """Search latency over stored float16 embeddings: exact kernels against the memory floor, and faiss.
 
+Arms for the torch-free kernels: ``exact_faiss`` (faiss's scalar-quantizer scan over the stored
+rows, torch loaded), ``exact_auto_torch_loaded`` (what ``auto`` picks per query count, and its time),
+``torch_free`` (a fresh process that never imports torch: its own read floor, the faiss, onnxruntime and numpy
+kernels and ``auto``), each with ``x_read_floor`` and ``recall_at_10_by_score`` (the returned scores against
+float32 brute force, rank by rank: tied rows are interchangeable); ``cold_cli``: a cold ``clip-mini search``
+on a generated ``--cold-rows`` index, everything included (target 0.5 s at 1M rows). With torch arms on the
+no-AMX path: ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ... --out benchmarks/results/speed/search_avx512bf16.json``.
+
     python benchmarks/speed/bench_search.py [--sizes 10000 100000 1000000] [--dim 256] [--repeats 7]
 
 For each size N: clustered unit vectors (1000 centres plus noise) are written as a float16 ``.npy`` and
@@ -99,7 +107,8 @@ def torch_free_arm(path: str, repeats: int) -> dict:
     qr /= np.linalg.norm(qr, axis=1, keepdims=True)
     out: dict = {"read_floor": read_floor(emb, repeats)}
     floor = out["read_floor"]["p50_ms"]
-    for kernel, counts in (("faiss", (1, 2, 4, 16)), ("numpy", (1, 16, 64)), ("auto", (1, 4, 16, 64))):
+    for kernel, counts in (("faiss", (1, 2, 4, 16)), ("onnxruntime", (1, 4, 16, 64)), ("numpy", (1, 64)),
+                           ("auto", (1, 4, 16, 64))):
         if kernel == "faiss" and not S.faiss_scan_available():
             continue
         arm = out[f"exact_{kernel}"] = {}
@@ -108,7 +117,9 @@ def torch_free_arm(path: str, repeats: int) -> dict:
             r["x_read_floor"] = round(r["p50_ms"] / floor, 2)
             if kernel == "auto":
                 r["kernel"] = S.auto_kernel(n, m, True)
-                r["recall_at_10_by_score"] = recall_by_scores(emb, qr[:m], exact_search(emb, qr[:m], 10)[0])
+            if kernel in ("auto", "onnxruntime", "faiss"):
+                r["recall_at_10_by_score"] = recall_by_scores(
+                    emb, qr[:m], exact_search(emb, qr[:m], 10, kernel=kernel)[0])
     out["torch_imported"] = "torch" in sys.modules
     return out
 
