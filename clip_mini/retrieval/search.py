@@ -1,6 +1,6 @@
 """Search back ends over stored float16 (or bfloat16) embeddings: exact (chunked matrix product) and faiss (HNSW or IVF).
 
-Exact search has three kernels, with the same results (the float32 top-K, ties by row id):
+Exact search has four kernels, with the same results (the float32 top-K, ties by row id); ``auto_kernel`` picks:
 
 * faiss scan (one or a few queries, with or without torch, when faiss is installed): a faiss scalar-quantizer flat
   index whose codes *are* the stored rows (``QT_fp16`` / ``QT_bf16`` codes are the same bytes as float16 / bfloat16
@@ -11,9 +11,12 @@ Exact search has three kernels, with the same results (the float32 top-K, ties b
   hardware, have a proven error bound, ``_margin``), falling back to a range search of a part whose short list
   ends above the floor (many near-ties). Past a few queries each one re-reads the matrix, and
   the matrix-product kernels below win.
-* numpy (always available, and what a one-shot ``clip-mini search`` uses: importing torch costs seconds): each
-  chunk of the (N, d) float16 matrix (a memory map, so an index larger than RAM works) is converted to float32 in
-  a reused cache-sized buffer and scored with one BLAS product; top-K is kept with ``argpartition``.
+* onnxruntime (many queries without torch: onnxruntime is a core dependency, loaded anyway for the query towers):
+  each cache-sized chunk is converted and multiplied by the queries in one call (MLAS's float16 cast is several
+  times numpy's), its top ``k + 32`` kept per query and re-scored exactly as above.
+* numpy (always available; small or float32 matrices): each chunk of the (N, d) float16 matrix (a memory map, so
+  an index larger than RAM works) is converted to float32 in a reused cache-sized buffer and scored with one BLAS
+  product; top-K is kept with ``argpartition``.
 * torch (used when torch is already imported, as in a server or a notebook, or asked for): a cheap approximate
   pass over the whole matrix, then exact float64 re-scoring of a short list. One or a few queries: torch's float16
   matrix-vector product (float32 accumulation, read at close to memory speed). More queries: each cache-sized
@@ -30,8 +33,9 @@ conversion: the torch kernel hands its rows straight to the bf16 matrix-vector o
 costs little more than reading the rows), and the numpy kernel widens bf16 bits to float32 exactly.
 Re-scoring uses the stored values either way, so results are exact for the rows as stored.
 
-faiss (``pip install 'clip-mini[faiss]'``) is approximate and worth it for large indexes: its stored graph or
-inverted lists avoid touching every row. It is imported only when used.
+faiss's approximate indexes (HNSW, IVF, IVF-PQ) are worth it for large indexes: their stored graph or inverted
+lists avoid touching every row. faiss is imported only when used (the exact scan imports it for 50k rows and up);
+where it is missing or older than 1.11, ``auto`` leaves the scan out.
 """
 from __future__ import annotations
 
@@ -309,7 +313,7 @@ def _scan_view(faiss, rows: np.ndarray, bf16: bool):
     global _NO_OWNER
     if _NO_OWNER is None:
         # create_view wants a shared_ptr owner, which faiss's Python wrapper cannot make; an empty vector's null
-        # owner serves (the numpy array, referenced from the index, is what keeps the memory alive)
+        # owner serves (the caller's numpy array is what keeps the memory alive)
         _NO_OWNER = faiss.MaybeOwnedVectorUInt8()
     n, d = rows.shape
     qt = faiss.ScalarQuantizer.QT_bf16 if bf16 else faiss.ScalarQuantizer.QT_fp16
@@ -394,8 +398,7 @@ def _exact_faiss(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, n
                 # everything this part left out scores below the floor: its short list holds every candidate
                 sel = i[j][(v[j] >= floor[j]) & (i[j] >= 0)]
             else:   # more near-ties in this part than its short list: take every row above the floor
-                lims, _, ids = views[p].range_search(queries[j:j + 1], float(np.nextafter(floor[j], -np.inf)))
-                sel = ids
+                _, _, sel = views[p].range_search(queries[j:j + 1], float(np.nextafter(floor[j], -np.inf)))
             cand_q.append(np.full(len(sel), j))
             cand_i.append(sel.astype(np.int64) + lo)
     return _rescore(embeddings, queries, np.concatenate(cand_q), np.concatenate(cand_i), k)
