@@ -258,7 +258,7 @@ def main() -> None:
     name = "index_10m.json" if ARGS.rows == 10_000_000 else f"index_{ARGS.rows}.json"
     if tuple(ARGS.steps) != STEPS:   # a partial run: its own file, the full run's left as it is
         name = name.replace(".json", "_" + "_".join(ARGS.steps) + ".json")
-    (ROOT / "benchmarks/results" / name).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    (ROOT / "benchmarks/results/speed" / name).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     print(json.dumps(out, indent=2, sort_keys=True))
 
 
