@@ -250,3 +250,31 @@ def test_shard_paths_are_relative_so_moved_shards_are_read_back(shapes_wds, mode
     assert all(s.startswith(str(tmp_path / "b" / "train")) for s in moved.items["shard"])
     assert moved.items["path"][0] == f"{moved.items['shard'][0]}#{moved.items['key'][0]}"
     assert [read_image(moved.items, r) for r in (0, 57, 119)] == blobs
+
+
+def test_eval_reads_a_webdataset_config(shapes_wds, model_dir, tmp_path, capsys):
+    """`clip-mini eval --data` on a WebDataset config scores its validation shards: the same images and captions
+    as the folder config's val split, so the same numbers; another split is refused naming the fix."""
+    import yaml
+
+    shapes = shapes_wds["root"] / "shapes"
+    common = {"captions": str(shapes / "captions.csv"), "cache_dir": str(shapes_wds["root"] / "cache"), "val": 30}
+    (tmp_path / "folder.yaml").write_text(yaml.safe_dump({"data": common}))
+    (tmp_path / "wds.yaml").write_text(yaml.safe_dump({"data": {
+        **common, "format": "webdataset", "shards": shapes_wds["train"], "val_shards": shapes_wds["val"],
+        "samples": 120}}))
+    scores = {}
+    for name in ("folder", "wds"):
+        args = ["eval", "--model", str(model_dir), "--data", str(tmp_path / f"{name}.yaml"), "--json",
+                "--precision", "fp32"] + (["--split", "val"] if name == "folder" else [])
+        assert main(args) == 0
+        out = capsys.readouterr()
+        scores[name] = json.loads(out.out)
+        if name == "wds":
+            assert "scoring the val split" in out.err
+    a, b = scores["wds"], scores["folder"]
+    assert a["split"] == "val" and a["n_images"] == b["n_images"] == 30 and a["n_captions"] == b["n_captions"]
+    for k in ("t2i_r1", "t2i_r10", "i2t_r1", "i2t_r10", "t2i_medr", "i2t_medr", "rsum"):
+        assert a[k] == pytest.approx(b[k], abs=1e-6), k
+    assert main(["eval", "--model", str(model_dir), "--data", str(tmp_path / "wds.yaml"), "--split", "test"]) == 2
+    assert "its one scored split is val" in capsys.readouterr().err

@@ -179,6 +179,17 @@ def wds_splits(data, report_dir: Optional[str | Path] = None, progress: bool = T
     return {"train": pd.DataFrame(rows, columns=["path", "image", "caption", "image_id"]), "val": val_df}
 
 
+def val_split(data, report_dir: Optional[str | Path] = None) -> pd.DataFrame:
+    """The validation table alone (``wds_splits``'s "val": the same extracted images and captions, so ``clip-mini
+    eval`` scores what the trainer's validation scored), without reading the train shards' captions."""
+    _, val = split_shards(data)
+    log = SkipLog("data (val)")
+    df = _extract_val(val, data, log)
+    if report_dir is not None and log.rows:
+        log.write_csv(Path(report_dir) / "skipped_val.csv")
+    return df
+
+
 def split_shards(data) -> tuple[list[str], list[str]]:
     if not data.shards:
         raise DataError("data.format: webdataset needs data.shards (a tar path or brace pattern)")

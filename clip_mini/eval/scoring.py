@@ -58,7 +58,10 @@ def _resolve_precision(precision: Optional[str], model_dir: str | Path) -> str:
 
 
 def default_split(data_cfg) -> str:
-    """The split ``clip-mini eval`` scores when none is named: test when the config carves one, else val."""
+    """The split ``clip-mini eval`` scores when none is named: test when the config carves one, else val (the only
+    split of a WebDataset config: its validation shards)."""
+    if data_cfg.format == "webdataset":
+        return "val"
     return "test" if (data_cfg.test or data_cfg.test_list) else "val"
 
 
@@ -67,10 +70,12 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
                        progress: bool = True, precision: Optional[str] = None, device: str = "auto") -> dict:
     """Multi-caption recall@1/5/10 both ways, median rank and contrastive loss of a model on one split.
 
-    The split comes from ``data.load_splits`` (as in the trainer), the pixels from its image cache (when ``data.cache`` is
-    on) and eval transform, and the scores from its ``evaluate_model``, run at the trainer's precision and batch
-    size, so for the run's own model and config the numbers equal the ones in its ``metrics.jsonl``. Unreadable
-    images are left out with their captions (``n_dropped_images``, ``n_dropped_captions``).
+    The split comes from ``data.load_splits`` (as in the trainer; for a WebDataset config, ``data.format:
+    webdataset``, the validation shards' images as the trainer extracts them), the pixels from its image cache
+    (when ``data.cache`` is on) and eval transform, and the scores from its ``evaluate_model``, run at the
+    trainer's precision and batch size, so for the run's own model and config the numbers equal the ones in its
+    ``metrics.jsonl``. Unreadable images are left out with their captions (``n_dropped_images``,
+    ``n_dropped_captions``).
 
     Args:
         split: "train", "val" or "test"; None: test when the config has a test split (``data.test`` or
@@ -95,17 +100,28 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
         raise EvalError(f"--split must be train, val or test, got {split!r}")
     precision = _resolve_precision(precision, model_dir)
     cfg = load_config(config, overrides)
+    wds = cfg.data.format == "webdataset"
     if split is None:
         split = default_split(cfg.data)
         if progress:
-            print(f"eval: no --split given: scoring the {split} split"
-                  + ("" if split == "test" else f" ({config} has no test split: data.test is 0)"), file=sys.stderr)
-    if split in ("val", "test") and not (getattr(cfg.data, split) or getattr(cfg.data, f"{split}_list")):
+            why = (f"{config} reads WebDataset shards: val is its one split" if wds else
+                   "" if split == "test" else f"{config} has no test split: data.test is 0")
+            print(f"eval: no --split given: scoring the {split} split" + (f" ({why})" if why else ""),
+                  file=sys.stderr)
+    if wds and split != "val":
+        raise EvalError(f"{config} reads WebDataset shards: its one scored split is val (data.val_shards, else the "
+                        f"last of data.shards), not {split!r}; use --split val")
+    if not wds and split in ("val", "test") and not (getattr(cfg.data, split) or getattr(cfg.data, f"{split}_list")):
         # known from the config alone: say so before load_splits checks every image of the dataset
         raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split)}, no "
                         f"data.{split}_list); choose another --split or set data.{split}")
     batch_size = batch_size or trained_settings(model_dir).get("eval_batch_size") or cfg.train.eval_batch_size
-    df = load_splits(cfg, progress=progress)[split]
+    if wds:
+        from clip_mini.data.wds_stream import val_split
+
+        df = val_split(cfg.data)   # the trainer's validation table: the val shards' images, extracted once
+    else:
+        df = load_splits(cfg, progress=progress)[split]
     if len(df) == 0:
         raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split, None)}); "
                         f"choose another --split or set data.{split}")
