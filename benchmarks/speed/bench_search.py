@@ -311,7 +311,8 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = {"machine": {**machine_info(), "numpy": np.__version__,
-                          "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS")}, "sizes": []}
+                          "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+                          "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:
         for n in args.sizes:
             t = time.perf_counter()
