@@ -288,7 +288,8 @@ def cold_cli(rows: int, repeats: int, tmp: Path) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000],
+                   help="matrix sizes (none: only the cold CLI arm)")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice; 1 on a "
