@@ -326,26 +326,27 @@ def _scan_view(faiss, rows: np.ndarray, bf16: bool):
     return index
 
 
-_rounds_query: dict[bool, bool] = {}
+_rounds_query: dict[tuple[bool, int], bool] = {}
 
 
-def _scan_rounds_query(faiss, bf16: bool) -> bool:
-    """Whether faiss's scan rounds the query to the rows' 16-bit type before the products (checked once per type).
+def _scan_rounds_query(faiss, bf16: bool, d: int = 16) -> bool:
+    """Whether faiss's scan rounds the query to the rows' 16-bit type before the products (checked once per type
+    and width: faiss picks its SIMD path by both).
 
     faiss decodes the codes to float32 exactly and accumulates the d products in float32; on a CPU with
     AVX512-BF16 its bfloat16 scan multiplies bf16 pairs in hardware, so the query is rounded to bf16 first. The
     score of a unit row against a query a hair above it (1 + 2^-20, which neither 16-bit type can hold) tells
-    which, and the error bound (``_margin``) counts that rounding where it happens."""
-    if bf16 not in _rounds_query:
-        d = 16
-        row = np.zeros((1, d), np.float32)
-        row[0, 0] = 1.0
-        code = (f32_to_bf16_bits(row) if bf16 else row.astype(np.float16)).reshape(1, d)
-        query = np.zeros((1, d), np.float32)
-        query[0, 0] = 1 + 2.0 ** -20
-        score = float(_scan_view(faiss, code, bf16).search(query, 1)[0][0, 0])
-        _rounds_query[bf16] = score != float(np.float32(1 + 2.0 ** -20))
-    return _rounds_query[bf16]
+    which, for every component, and the error bound (``_margin``) counts that rounding where it happens."""
+    if (bf16, d) not in _rounds_query:
+        # one probe per component (a SIMD path may cover some components and a scalar tail the rest): unit rows
+        # e_i, and queries (1 + 2^-20) e_i; row i's score for query i is 1 + 2^-20 unless query i was rounded
+        rows = np.eye(d, dtype=np.float32)
+        code = f32_to_bf16_bits(rows).reshape(d, d) if bf16 else rows.astype(np.float16)
+        queries = np.ascontiguousarray(np.float32(1 + 2.0 ** -20) * rows)
+        scores, ids = _scan_view(faiss, code, bf16).search(queries, 1)
+        exact = np.float32(1 + 2.0 ** -20)
+        _rounds_query[(bf16, d)] = bool((scores[:, 0] != exact).any() or (ids[:, 0] != np.arange(d)).any())
+    return _rounds_query[(bf16, d)]
 
 
 def _scan_threads(faiss) -> int:
@@ -386,7 +387,7 @@ def _exact_faiss(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, n
 
         with ThreadPoolExecutor(parts) as pool:
             found = list(pool.map(scan_part, range(parts)))
-    margin = _margin(_BF16_U if bf16 else _FP16_U, 1 if _scan_rounds_query(faiss, bf16) else 0, d)
+    margin = _margin(_BF16_U if bf16 else _FP16_U, 1 if _scan_rounds_query(faiss, bf16, d) else 0, d)
     vals = np.concatenate([v for v, _ in found], axis=1)
     floor = np.partition(vals, vals.shape[1] - k, axis=1)[:, vals.shape[1] - k] - margin   # (Q,)
     cand_q, cand_i = [], []
