@@ -358,6 +358,20 @@ INDEXING = [
 BS = "python benchmarks/speed/bench_search.py"
 M = "sizes.2"
 SEARCH = [
+    ("1M float16 rows, 1 query, x the read floor: faiss scan torch-free / with torch loaded (`auto`)",
+     "speed/search_torch_free.json", "{sizes.0.torch_free.exact_auto.q1.x_read_floor:.2f}x / "
+     "{sizes.0.exact_auto_torch_loaded.q1.x_read_floor:.2f}x; recall@10 "
+     "{sizes.0.torch_free.exact_auto.q1.recall_at_10_by_score:g} (load average {machine.load_average_1min_at_start:.1f})",
+     "python benchmarks/speed/bench_search.py --sizes 1000000 --out benchmarks/results/speed/search_torch_free.json"),
+    ("same, oneDNN kept off AMX (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`)", "speed/search_avx512bf16.json",
+     "{sizes.0.torch_free.exact_auto.q1.x_read_floor:.2f}x / {sizes.0.exact_auto_torch_loaded.q1.x_read_floor:.2f}x",
+     "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/speed/bench_search.py "
+     "--out benchmarks/results/speed/search_avx512bf16.json"),
+    ("1M float16 rows, 64 queries torch-free (`auto`: onnxruntime), under load (target 100 ms: not met)",
+     "speed/search_torch_free.json", "{sizes.0.torch_free.exact_auto.q64.p50_ms:.0f} ms",
+     "python benchmarks/speed/bench_search.py --sizes 1000000 --out benchmarks/results/speed/search_torch_free.json"),
+    ("open a 10M-row index (columnar items): time; RSS before the first query", "speed/index_10m_open.json",
+     "{open.open_s:.3f} s; {open.rss_after_open_mb:.0f} MB", "python benchmarks/speed/bench_index_10m.py --steps open"),
     ("exact, torch kernel, 1M float16 rows, 1 / 64 queries", "speed/search.json",
      "{%s.exact_torch.q1.p50_ms:.1f} / {%s.exact_torch.q64.p50_ms:.1f} ms, recall@10 "
      "{%s.exact_torch.q64.recall_at_10:g}; read floor {%s.read_floor.p50_ms:.1f} ms" % (M, M, M, M), BS),
