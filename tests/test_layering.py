@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
-RETRIEVAL_ORDER = ["rows", "search", "faiss_auto", "format", "files", "reader", "build", "shards", "wds_source",
+RETRIEVAL_ORDER = ["rows", "search", "faiss_auto", "format", "dupes", "files", "reader", "build", "shards", "wds_source",
                    "ray_index", "preprocess_np", "query", "engine", "index"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {

@@ -1,4 +1,5 @@
-"""Pictures: search result grids, attention overlays, training curves. Every PNG is written atomically.
+"""Pictures: search result grids, near-duplicate groups, attention overlays, training curves.
+Every PNG is written atomically.
 
 Grids and overlays are drawn with Pillow (sizes are exact: ``grid_size`` says what a grid will measure);
 curves use matplotlib's Agg backend, imported only when plotting.
@@ -91,6 +92,41 @@ def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Pa
         draw.text((x + 2, y + thumb + 3), f"#{i + 1}  {score:.3f}", fill=_FG, font=_font(13))
         draw.text((x + 2, y + thumb + 18), _fit(names[i] if names else Path(path).name, thumb), fill=_FG,
                   font=_font(11))
+    _save_png(canvas, out_png)
+    return w, h
+
+
+def group_grid(groups: Sequence[Sequence[str]], similarities: Sequence[float], out_png: str | Path,
+               title: Optional[str] = None, per_row: int = 6, thumb: int = 120) -> tuple[int, int]:
+    """One row of thumbnails per group (near-duplicates), its similarity at the left; returns (width, height).
+
+    A group longer than ``per_row`` shows its first ``per_row - 1`` images and a "+N more" tile.
+    """
+    if not groups:
+        raise ValueError("group_grid needs at least one group")
+    if len(groups) != len(similarities):
+        raise ValueError(f"{len(groups)} groups but {len(similarities)} similarities")
+    label_w = 90
+    w = label_w + per_row * (thumb + PAD) + PAD
+    top = TITLE_H if title is not None else 0
+    h = top + len(groups) * (thumb + LABEL_H // 2 + PAD) + PAD
+    canvas = Image.new("RGB", (w, h), _BG)
+    draw = ImageDraw.Draw(canvas)
+    if title is not None:
+        draw.text((PAD, 6), title[:120], fill=_FG, font=_font(15))
+    for g, (paths, sim) in enumerate(zip(groups, similarities)):
+        y = top + PAD + g * (thumb + LABEL_H // 2 + PAD)
+        draw.text((PAD, y + thumb // 2 - 16), f"group {g + 1}", fill=_FG, font=_font(13))
+        draw.text((PAD, y + thumb // 2), f"sim {sim:.3f}", fill=_FG, font=_font(13))
+        shown = list(paths) if len(paths) <= per_row else list(paths[:per_row - 1])
+        for c, path in enumerate(shown):
+            x = label_w + PAD + c * (thumb + PAD)
+            canvas.paste(_thumbnail(str(path), thumb), (x, y))
+            draw.text((x + 2, y + thumb + 2), _fit(Path(path).name, thumb), fill=_FG, font=_font(11))
+        if len(paths) > per_row:
+            x = label_w + PAD + (per_row - 1) * (thumb + PAD)
+            draw.rectangle([x, y, x + thumb, y + thumb], fill=_MISSING)
+            draw.text((x + 8, y + thumb // 2 - 8), f"+{len(paths) - per_row + 1} more", fill=_FG, font=_font(13))
     _save_png(canvas, out_png)
     return w, h
 
