@@ -1,4 +1,4 @@
-"""Pictures: search result grids, near-duplicate groups, attention overlays, training curves.
+"""Pictures: search result grids, near-duplicate groups, attention overlays, confusion matrices, training curves.
 Every PNG is written atomically.
 
 Grids and overlays are drawn with Pillow (sizes are exact: ``grid_size`` says what a grid will measure);
@@ -159,6 +159,35 @@ def attention_overlay(image: np.ndarray, heat: np.ndarray, out_png: str | Path, 
     img = overlay_image(image, heat, alpha, size)
     _save_png(img, out_png)
     return img.size
+
+
+def confusion_png(matrix, labels: Sequence[str], out_png: str | Path, title: Optional[str] = None) -> None:
+    """A confusion matrix (rows: true label, columns: predicted) as a PNG, each cell's count written in it."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    m = np.asarray(matrix)
+    if m.ndim != 2 or m.shape != (len(labels), len(labels)):
+        raise ValueError(f"a {len(labels)}-label confusion matrix must be {len(labels)}x{len(labels)}, got {m.shape}")
+    side = min(16.0, 2.5 + 0.55 * len(labels))
+    fig, ax = plt.subplots(figsize=(side, side), dpi=100)
+    try:
+        rows = np.maximum(m.sum(1, keepdims=True), 1)
+        ax.imshow(m / rows, cmap="Blues", vmin=0, vmax=1)   # coloured by the row's share: per-class recall
+        ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set(xlabel="predicted", ylabel="true", title=title or "confusion matrix")
+        for i in range(len(labels)):
+            for j in range(len(labels)):
+                ax.text(j, i, str(int(m[i, j])), ha="center", va="center", fontsize=8,
+                        color="white" if m[i, j] / rows[i, 0] > 0.5 else "black")
+        fig.tight_layout()
+        with atomic_path(out_png, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
 
 
 def plot_curves(records: Sequence[dict], out_png: str | Path) -> None:
