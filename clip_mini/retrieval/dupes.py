@@ -24,9 +24,9 @@ import numpy as np
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.retrieval.rows import BF16Rows
 
-# The planted-copy study (benchmarks/studies/dupes_planted.py) chose this on its tuning set; a model whose
+# The planted-copy study (benchmarks/studies/dupes_planted.py) chose this on its tuning set of photos; a model whose
 # embeddings spread differently may want another (``--threshold``).
-DEFAULT_THRESHOLD = 0.9
+DEFAULT_THRESHOLD = 0.965
 RANGE_MIN_ROWS = 20_000   # from here `auto` uses the faiss range search: the exact pass grows with N^2
 SQ_MARGIN = 0.03          # 8-bit scalar quantisation moves a unit-row cosine by well under this
 _NPROBE = 8
