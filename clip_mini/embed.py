@@ -206,6 +206,40 @@ class Embedder:
             feats = self.model.encode_image(to_device(pixels, self.device), normalize=False)
         return _finish(feats, True).cpu().numpy()
 
+    # -- match maps ---------------------------------------------------------------------------------------------
+    def explain(self, image: Any, text: str, method: str = "auto") -> np.ndarray:
+        """Where in ``image`` the text matches: a float32 (H, W) map over the image's own pixels, in [0, 1],
+        higher where the image matches (``clip_mini.model.explain``: Grad-CAM for ViT and CNN towers by default,
+        or ``method="tokens"``: patch tokens scored through the image head).
+
+        The tower's patch grid is upsampled bilinearly to the image size; with ``center_crop`` preprocessing the
+        map covers the centre square the model saw, and is 0 outside it.
+
+        Raises:
+            InputError: an unreadable image, an empty text, or an unknown method.
+        """
+        from clip_mini.data import ImageError, load_image
+        from clip_mini.model.explain import METHODS, match_map, upsample
+
+        if method not in METHODS:
+            raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"the text to explain must be a non-empty string, got {text!r:.80}")
+        try:
+            array = load_image(image)   # in full: the map is drawn over the image's own pixels
+        except ImageError as e:
+            raise InputError(str(e)) from None
+        pixels = self.transform(array)
+        text_row = self.encode_text(text, output="torch")
+        heat = match_map(self.model, pixels, text_row, method)
+        h, w = array.shape[:2]
+        if self.model.preprocess.resize_mode != "center_crop":
+            return upsample(heat, h, w)
+        s = min(h, w)
+        out = np.zeros((h, w), np.float32)
+        out[(h - s) // 2:(h - s) // 2 + s, (w - s) // 2:(w - s) // 2 + s] = upsample(heat, s, s)
+        return out
+
     # -- zero-shot classification -----------------------------------------------------------------------------
     def label_embeddings(self, labels: Sequence[str], template: str | Sequence[str] = DEFAULT_TEMPLATES,
                          batch_size: Optional[int] = None) -> np.ndarray:

@@ -39,12 +39,13 @@ def grid_size(n: int, cols: int = 5, thumb: int = 160, title: bool = True) -> tu
     return cols * (thumb + PAD) + PAD, (TITLE_H if title else 0) + rows * (thumb + LABEL_H + PAD) + PAD
 
 
-def _thumbnail(path: str, thumb: int) -> Image.Image:
+def _thumbnail(path: str, thumb: int, heat: Optional[np.ndarray] = None) -> Image.Image:
     from clip_mini.data.images import ImageError, load_image
 
     tile = Image.new("RGB", (thumb, thumb), _MISSING)
     try:
-        img = Image.fromarray(load_image(path))
+        array = load_image(path)
+        img = Image.fromarray(array) if heat is None else overlay_image(array, heat, alpha=0.45)
     except (ImageError, OSError):
         ImageDraw.Draw(tile).text((8, thumb // 2 - 8), "unreadable", fill=_FG, font=_font(13))
         return tile
@@ -64,12 +65,15 @@ def _fit(name: str, width: int) -> str:
 
 
 def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Path, title: Optional[str] = None,
-                cols: int = 5, thumb: int = 160, names: Optional[Sequence[str]] = None) -> tuple[int, int]:
+                cols: int = 5, thumb: int = 160, names: Optional[Sequence[str]] = None,
+                heats: Optional[Sequence[Optional[np.ndarray]]] = None) -> tuple[int, int]:
     """Draw ranked results (rank, score and file name under each thumbnail) into one PNG; returns its (width,
     height).
 
     Args:
         names: the label under each thumbnail (default: each path's file name).
+        heats: a map per result (any size; None for none) overlaid on its thumbnail (``clip-mini search
+            --explain``).
 
     Unreadable or deleted files get a grey "unreadable" tile rather than failing the whole grid.
     """
@@ -88,7 +92,7 @@ def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Pa
     for i, (path, score) in enumerate(zip(paths, scores)):
         r, c = divmod(i, cols)
         x, y = PAD + c * (thumb + PAD), top + PAD + r * (thumb + LABEL_H + PAD)
-        canvas.paste(_thumbnail(str(path), thumb), (x, y))
+        canvas.paste(_thumbnail(str(path), thumb, None if heats is None else heats[i]), (x, y))
         draw.text((x + 2, y + thumb + 3), f"#{i + 1}  {score:.3f}", fill=_FG, font=_font(13))
         draw.text((x + 2, y + thumb + 18), _fit(names[i] if names else Path(path).name, thumb), fill=_FG,
                   font=_font(11))
