@@ -22,6 +22,9 @@ from clip_mini.runtime.precision import autocast
 
 __all__ = ["Embedder", "InputError"]
 
+# CLIP's single prompt; ``clip_mini.eval.scoring`` scores zero-shot accuracy with the same default
+DEFAULT_TEMPLATES = ("a photo of a {}.",)
+
 Output = Literal["numpy", "torch"]
 OnError = Literal["raise", "skip"]
 Features = Union[np.ndarray, torch.Tensor]
@@ -204,6 +207,108 @@ class Embedder:
             feats = self.model.encode_image(to_device(pixels, self.device), normalize=False)
         return _finish(feats, True).cpu().numpy()
 
+    # -- match maps ---------------------------------------------------------------------------------------------
+    def explain(self, image: Any, text: str, method: str = "auto") -> np.ndarray:
+        """Where in ``image`` the text matches: a float32 (H, W) map over the image's own pixels, in [0, 1],
+        higher where the image matches (``clip_mini.model.explain``: Grad-CAM for ViT and CNN towers by default,
+        or ``method="tokens"``: patch tokens scored through the image head).
+
+        The tower's patch grid is upsampled bilinearly to the image size; with ``center_crop`` preprocessing the
+        map covers the centre square the model saw, and is 0 outside it.
+
+        Raises:
+            InputError: an unreadable image, an empty text, or an unknown method.
+        """
+        from clip_mini.data import ImageError, load_image
+        from clip_mini.model.explain import METHODS, match_map, upsample
+
+        if method not in METHODS:
+            raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"the text to explain must be a non-empty string, got {text!r:.80}")
+        try:
+            array = load_image(image)   # in full: the map is drawn over the image's own pixels
+        except ImageError as e:
+            raise InputError(str(e)) from None
+        pixels = self.transform(array)
+        text_row = self.encode_text(text, output="torch")
+        heat = match_map(self.model, pixels, text_row, method)
+        h, w = array.shape[:2]
+        if self.model.preprocess.resize_mode != "center_crop":
+            return upsample(heat, h, w)
+        s = min(h, w)
+        out = np.zeros((h, w), np.float32)
+        out[(h - s) // 2:(h - s) // 2 + s, (w - s) // 2:(w - s) // 2 + s] = upsample(heat, s, s)
+        return out
+
+    # -- zero-shot classification -----------------------------------------------------------------------------
+    def label_embeddings(self, labels: Sequence[str], template: str | Sequence[str] = DEFAULT_TEMPLATES,
+                         batch_size: Optional[int] = None) -> np.ndarray:
+        """One L2-normalised (d,) row per label: the mean of its normalised prompt embeddings, one prompt per
+        template (CLIP's prompt ensembling).
+
+        Args:
+            labels: class names ("cat", "a red circle"); each is put into every template's ``{}``.
+            template: a prompt with ``{}``, or a list of them.
+
+        Raises:
+            InputError: no labels, a label that is empty or only spaces (named by position), a repeated label,
+                no templates, or a template without ``{}``.
+        """
+        labels, templates = check_labels(labels), check_templates(template)
+        prompts = [t.format(c) for c in labels for t in templates]
+        feats = self.encode_text(prompts, batch_size=batch_size).reshape(len(labels), len(templates), -1).mean(1)
+        from clip_mini.retrieval.rows import unit_rows
+
+        return unit_rows(feats)
+
+    def classify(self, images: Any, labels: Sequence[str], template: str | Sequence[str] = DEFAULT_TEMPLATES,
+                 top: int = 2, batch_size: Optional[int] = None, on_error: OnError = "raise",
+                 show_progress: bool = False, workers: Optional[int] = None):
+        """Zero-shot classification: each image gets the label whose prompt embedding is nearest.
+
+        Args:
+            images: one image or a list (paths, PIL images or arrays), as for ``encode_image``.
+            labels: at least 2 class names; template: as in ``label_embeddings``.
+            top: labels reported per image (at least 1, at most the number of labels).
+            on_error: "raise" on an image that cannot be read, or "skip" it (returned in ``failed``).
+
+        Returns:
+            One dict per image, in input order: ``path`` (the input when it is a path, else its position),
+            ``label``, ``score``, ``runner_up``, ``runner_up_score`` (empty and NaN when ``top`` is 1) and
+            ``top``, the ``top`` best ``(label, score)`` pairs. Scores are probabilities over the labels: the
+            softmax of the cosine similarities times the model's logit scale, as in training. A single image
+            gives one dict. With ``on_error="skip"``: ``(rows, failed)`` as in ``encode_image``.
+        """
+        labels = check_labels(labels)
+        if len(labels) < 2:
+            raise InputError(f"classification needs at least 2 labels, got {labels}")
+        if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or not 1 <= top <= len(labels):
+            raise InputError(f"top must be an integer from 1 to the number of labels ({len(labels)}), got {top!r}")
+        _check_on_error(on_error)
+        class_rows = self.label_embeddings(labels, template, batch_size)
+        single, items = _as_list(images, "images", (str, os.PathLike, np.ndarray))
+        feats, failed = self.encode_image(items, batch_size=batch_size, on_error="skip", show_progress=show_progress,
+                                          workers=workers)
+        if failed and on_error != "skip":
+            i, reason = next(iter(failed.items()))
+            raise InputError(f"image {i}: {reason}")
+        logits = feats @ class_rows.T * float(self.model.scale().detach())
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        ok = [i for i in range(len(items)) if i not in failed]
+        rows = []
+        for n, i in enumerate(ok):
+            order = np.argsort(-probs[n], kind="stable")[:top]
+            best = [(labels[c], float(probs[n, c])) for c in order]
+            item = items[i]
+            rows.append({"path": os.fspath(item) if isinstance(item, (str, os.PathLike)) else i,
+                         "label": best[0][0], "score": best[0][1],
+                         "runner_up": best[1][0] if top > 1 else "",
+                         "runner_up_score": best[1][1] if top > 1 else float("nan"), "top": best})
+        result = (rows[0] if rows else None) if single else rows
+        return (result, failed) if on_error == "skip" else result
+
     def _batch_size(self, batch_size: Optional[int]) -> int:
         return self.batch_size if batch_size is None else _positive(batch_size, "batch_size")
 
@@ -212,6 +317,40 @@ class Embedder:
 def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "fp32") -> Embedder:
     """``clip_mini.load``: a model directory as an ``Embedder`` (see ``Embedder.load``)."""
     return Embedder.load(model_dir, device=device, batch_size=batch_size, precision=precision)
+
+def check_labels(labels: Any) -> list[str]:
+    """Class names as a list: refuses none, a non-string, an empty or all-space name, and a repeated name."""
+    if isinstance(labels, str):
+        raise InputError(f"labels must be a list of class names, got one string {labels!r:.80} (split it first)")
+    labels = list(labels) if hasattr(labels, "__iter__") else None
+    if not labels:
+        raise InputError("the label list is empty: give at least two class names")
+    seen = {}
+    for i, name in enumerate(labels):
+        if not isinstance(name, str):
+            raise InputError(f"label {i + 1} is a {type(name).__name__}, not a string: {name!r:.80}")
+        if not name.strip():
+            raise InputError(f"label {i + 1} is {'empty' if not name else 'only spaces'}: {name!r}")
+        if name.strip() in seen:
+            raise InputError(f"label {i + 1} ({name.strip()!r}) repeats label {seen[name.strip()] + 1}")
+        seen[name.strip()] = i
+    return [name.strip() for name in labels]
+
+
+def check_templates(template: Any) -> list[str]:
+    """Prompt templates as a list, each with one ``{}`` for the class name."""
+    templates = [template] if isinstance(template, str) else list(template or [])
+    if not templates:
+        raise InputError("no prompt template given")
+    for t in templates:
+        if not isinstance(t, str) or "{}" not in t:
+            raise InputError(f"prompt template {t!r} has no {{}} for the class name")
+        try:
+            t.format("x")
+        except (IndexError, KeyError, ValueError) as e:
+            raise InputError(f"prompt template {t!r} is not a format string with one {{}}: {e}") from None
+    return templates
+
 
 def _positive(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -137,7 +137,7 @@ def test_an_option_before_the_command(capsys):
     err = _usage_error(["-k", "5", "red"], capsys)
     assert "-k goes after the command it is for: `clip-mini search ... -k ...`" in err
     err = _usage_error(["--json", "red"], capsys)
-    assert "`clip-mini search ... --json ...` (also an option of eval)" in err
+    assert "`clip-mini search ... --json ...` (also an option of eval, dupes)" in err
 
 
 def test_a_command_typo_suggests_the_nearest(capsys):

@@ -1,4 +1,4 @@
-"""``clip-mini``: train, index, search, eval, attention, serve.
+"""``clip-mini``: train, index, search, eval, attention, serve, convert, dupes, classify.
 
     clip-mini --version
     clip-mini train --config configs/tiny.yaml [--set train.epochs=3] [--resume] [--print-config]
@@ -7,6 +7,8 @@
     clip-mini eval --model runs/tiny/best --data configs/tiny.yaml --split test
     clip-mini attention --model runs/tiny/best photo.jpg --out attn.png
     clip-mini serve --index indexes/photos [--port 8000]
+    clip-mini dupes --index indexes/photos [--threshold 0.965] [--json] [--grid dupes.png]
+    clip-mini classify --model runs/tiny/best --images photos/ --labels "cat,dog,beach" --out labels.csv
 
 Heavy libraries are imported inside the command that needs them: ``search`` never imports torch (see
 ``clip_mini.retrieval.query``). Errors raised by clip_mini for bad input print ``error: <message>`` and exit with status 2.
@@ -21,7 +23,7 @@ from typing import Optional, Sequence
 
 from clip_mini.cli.common import EXIT_INTERRUPTED, EXIT_USER_ERROR, is_user_error
 
-COMMANDS = ("train", "index", "search", "eval", "attention", "serve", "convert")
+COMMANDS = ("train", "index", "search", "eval", "attention", "serve", "convert", "dupes", "classify")
 
 
 def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""``clip-mini search``: rank an index's images for a text or image query (a text query never imports torch)."""
+"""``clip-mini search``: rank an index's images for a text or image query (a text query never imports torch unless
+``--explain`` draws match maps)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         "Rank the images of an index by cosine similarity to a text query (or to an image with --image).\n"
         "A text query never imports torch; paths are printed absolute.",
         'clip-mini search --index indexes/photos "a dog running on grass" -k 5 --grid hits.png',
-        "clip-mini search --index indexes/photos --image query.jpg --json")
+        "clip-mini search --index indexes/photos --image query.jpg --json",
+        'clip-mini search --index indexes/photos "a red car" -k 8 --explain --grid hits.png')
     se.add_argument("--index", required=True, help="index directory")
     se.add_argument("query", nargs="?", help="text query")
     se.add_argument("--image", help="image query (image-to-image search)")
@@ -26,6 +28,9 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     se.add_argument("--backend", default="auto", choices=["auto", "exact", "faiss"], help="search back end")
     se.add_argument("--json", action="store_true", help="print JSON instead of a table")
     se.add_argument("--grid", metavar="PNG", help="draw the results with rank, score and file name into this PNG")
+    se.add_argument("--explain", action="store_true",
+                    help="with --grid and a text query: overlay on each hit where it matches the query (loads "
+                         "the model with torch: Embedder.explain)")
     se.add_argument("--no-verify", action="store_true", help="skip the checksum of the index files")
     add_device(se)
     add_quiet(se)
@@ -37,6 +42,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise EmbeddingIndexError("search needs a text query or --image PATH (exactly one)")
     if args.query is not None and not args.query.strip():
         raise EmbeddingIndexError("the text query is empty")
+    if args.explain and (args.grid is None or args.query is None):
+        raise EmbeddingIndexError("--explain draws where a text query matches into --grid PNG: give both a text "
+                                  "query and --grid")
     if args.grid:
         check_output_folder(args.grid, "--grid")
     index = EmbeddingIndex.load(args.index, verify=not args.no_verify)
@@ -66,8 +74,9 @@ def cmd_search(args: argparse.Namespace) -> int:
 
         title = f"{args.query!r}" if args.query is not None else f"image: {args.image}"
         with hit_image_files(index.items, [h["row"] for h in hits]) as files:   # shard rows: read back by offset
+            heats = _match_maps(index, args, files) if args.explain else None
             result_grid(files, [h["score"] for h in results], args.grid, title=title,
-                        names=[Path(h["path"]).name for h in results])
+                        names=[Path(h["path"]).name for h in results], heats=heats)
     if args.json:
         print_json({"query": args.query, "image": args.image, "index": str(index.path),
                     "model_fingerprint": index.fingerprint, "results": results})
@@ -76,3 +85,18 @@ def cmd_search(args: argparse.Namespace) -> int:
         if args.grid:
             print(f"grid: {args.grid}")
     return 0
+
+
+def _match_maps(index: EmbeddingIndex, args: argparse.Namespace, files: list[str]) -> list:
+    """Each hit's match map for the text query (None where the file cannot be read: the grid marks it)."""
+    from clip_mini.embed import InputError, load
+
+    embedder = load(index._model_dir(args.model), device=args.device)
+    index.check_model(embedder.fingerprint, str(index._model_dir(args.model)))
+    heats = []
+    for f in files:
+        try:
+            heats.append(embedder.explain(f, args.query))
+        except InputError:
+            heats.append(None)
+    return heats

@@ -4,7 +4,8 @@
 
 writes ``images/*.png``, ``captions.csv`` (``image,caption``, 3 captions per image, the Flickr8k Kaggle
 layout), ``compositional_test.csv`` (same format) and ``labels.csv`` (attributes of each image, for
-zero-shot classification). Scenes hold one or two objects: 4 shapes x 6 colours x 2 sizes x 5 positions.
+zero-shot classification, and each object's bounding box ``x0,y0,x1,y1`` in output pixels, for scoring where a
+match map points). Scenes hold one or two objects: 4 shapes x 6 colours x 2 sizes x 5 positions.
 Four (colour, shape) pairs never occur in ``captions.csv``; ``compositional_test.csv`` holds ``n // 10``
 (at least 30) further images whose first object is such a pair, testing whether a model composes "red" and
 "star" without having seen a red star. Output is byte-identical for one seed (each image has its own
@@ -73,24 +74,35 @@ def _captions(objs: list[dict], rng: np.random.Generator) -> list[str]:
     return [f"a {na} and a {nb} {layout}", f"a {na} {rel} a {nb}", f"a {nb} {inv} a {na}"]
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill) -> None:
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill
+                ) -> tuple[float, float, float, float]:
+    """Draw one shape; returns its bounding box ``(x0, y0, x1, y1)`` in the drawing's pixels."""
     if shape == "circle":
-        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
-    elif shape == "square":
+        box = [cx - r, cy - r, cx + r, cy + r]
+        draw.ellipse(box, fill=fill)
+        return tuple(box)
+    if shape == "square":
         h = r * 0.88   # about the circle's area, so size words mean the same for every shape
-        draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=fill)
-    elif shape == "triangle":
+        box = [cx - h, cy - h, cx + h, cy + h]
+        draw.rectangle(box, fill=fill)
+        return tuple(box)
+    if shape == "triangle":
         pts = [(cx + 1.15 * r * math.cos(a), cy + 1.15 * r * math.sin(a)) for a in (-math.pi / 2, math.pi / 6,
                                                                                      5 * math.pi / 6)]
-        draw.polygon(pts, fill=fill)
     else:   # five-pointed star
         pts = [(cx + rr * math.cos(a), cy + rr * math.sin(a))
                for k in range(10) for rr, a in [((1.15 if k % 2 == 0 else 0.5) * r, -math.pi / 2 + k * math.pi / 5)]]
-        draw.polygon(pts, fill=fill)
+    draw.polygon(pts, fill=fill)
+    xs, ys = [x for x, _ in pts], [y for _, y in pts]
+    return min(xs), min(ys), max(xs), max(ys)
 
 
-def render(objs: list[dict], rng: np.random.Generator, size: int = 64) -> Image.Image:
-    """Draw a scene: dark, slightly tinted background with mild noise; flat-coloured objects."""
+def render(objs: list[dict], rng: np.random.Generator, size: int = 64, boxes: list | None = None) -> Image.Image:
+    """Draw a scene: dark, slightly tinted background with mild noise; flat-coloured objects.
+
+    ``boxes``, when given, receives each object's bounding box ``(x0, y0, x1, y1)`` in output pixels, in the
+    order of ``objs`` (the random draws are the same either way, so the image does not change).
+    """
     big = size * _SUPER
     base = rng.integers(35, 80) + rng.integers(-8, 9, size=3)
     im = Image.new("RGB", (big, big), tuple(int(v) for v in base))
@@ -105,7 +117,9 @@ def render(objs: list[dict], rng: np.random.Generator, size: int = 64) -> Image.
         cx = np.clip(fx * big + rng.normal(0, jitter), r + 2, big - r - 2)
         cy = np.clip(fy * big + rng.normal(0, jitter), r + 2, big - r - 2)
         fill = tuple(int(np.clip(v + rng.integers(-15, 16), 0, 255)) for v in COLOURS[o["colour"]])
-        _draw_shape(draw, o["shape"], float(cx), float(cy), r, fill)
+        box = _draw_shape(draw, o["shape"], float(cx), float(cy), r, fill)
+        if boxes is not None:
+            boxes.append(tuple(round(v * size / big, 1) for v in box))
     arr = np.asarray(im.resize((size, size), Image.BOX), dtype=np.int16)
     arr = arr + rng.normal(0, 3.0, size=arr.shape).round().astype(np.int16)
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
@@ -145,14 +159,18 @@ def generate(out: str | Path, n: int, seed: int = 0, size: int = 64) -> Path:
                 rng = np.random.default_rng([seed, split == "comp", i])
                 objs = _scene(rng, compositional=split == "comp")
                 name = f"{split}_{i:05d}.png"
-                render(objs, rng, size).save(tmp / "images" / name, optimize=False)
+                boxes: list = []
+                render(objs, rng, size, boxes).save(tmp / "images" / name, optimize=False)
                 rows += [[name, cap] for cap in _captions(objs, rng)]
                 second = objs[1] if len(objs) > 1 else dict(colour="", shape="", size="", pos="")
+                box2 = list(boxes[1]) if len(boxes) > 1 else [""] * 4
                 labels.append([name, split, len(objs)] + [objs[0][k] for k in ("colour", "shape", "size", "pos")]
-                              + [second[k] for k in ("colour", "shape", "size", "pos")])
+                              + [second[k] for k in ("colour", "shape", "size", "pos")]
+                              + list(boxes[0]) + box2)
             (tmp / fname).write_text(_csv_text(rows, ["image", "caption"]), encoding="utf-8")
         header = ["image", "split", "n_objects", "colour", "shape", "size", "position",
-                  "colour2", "shape2", "size2", "position2"]
+                  "colour2", "shape2", "size2", "position2",
+                  "x0", "y0", "x1", "y1", "x0_2", "y0_2", "x1_2", "y1_2"]
         (tmp / "labels.csv").write_text(_csv_text(labels, header), encoding="utf-8")
     return out
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from clip_mini.errors import ClipMiniError
 
-DEFAULT_TEMPLATES = ("a photo of a {}.",)
+DEFAULT_TEMPLATES = ("a photo of a {}.",)   # the same as clip_mini.embed.DEFAULT_TEMPLATES (torch-free here)
 
 
 class EvalError(ClipMiniError, ValueError):
@@ -137,30 +137,31 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
 
 def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str],
                         precision: str = "fp32") -> np.ndarray:
-    """One L2-normalised row per class: the mean of its normalised template embeddings (as in CLIP)."""
+    """One L2-normalised row per class: ``Embedder.label_embeddings`` (the mean of its normalised template
+    embeddings, as in CLIP) under ``precision``'s autocast."""
     import torch
 
     from clip_mini.runtime.precision import autocast
 
-    for t in templates:
-        if "{}" not in t:
-            raise EvalError(f"prompt template {t!r} has no {{}} for the class name")
-    prompts = [t.format(c) for c in classes for t in templates]
     if hasattr(encoder, "precision"):
         # An Embedder runs its own autocast at its own precision inside encode_text, which would override an
         # autocast opened here (the text side then ran fp32 whatever was asked): it is told the precision instead.
         before, encoder.precision = encoder.precision, precision
         try:
-            feats = encoder.encode_text(prompts)
+            return _label_embeddings(encoder, classes, templates)
         finally:
             encoder.precision = before
-    else:
-        with autocast(torch.device(getattr(encoder, "device", "cpu")), precision):
-            feats = encoder.encode_text(prompts)
-    feats = np.asarray(feats, dtype=np.float32).reshape(len(classes), len(templates), -1).mean(1)
-    from clip_mini.retrieval.rows import unit_rows
+    with autocast(torch.device(getattr(encoder, "device", "cpu")), precision):
+        return _label_embeddings(encoder, classes, templates)
 
-    return unit_rows(feats)
+
+def _label_embeddings(encoder, classes: Sequence[str], templates: Sequence[str]) -> np.ndarray:
+    from clip_mini.errors import InputError
+
+    try:
+        return encoder.label_embeddings(classes, templates)
+    except InputError as e:
+        raise EvalError(str(e)) from None
 
 
 def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_col: str = "label"

@@ -1,4 +1,5 @@
-"""Pictures: search result grids, attention overlays, training curves. Every PNG is written atomically.
+"""Pictures: search result grids, near-duplicate groups, attention overlays, confusion matrices, training curves.
+Every PNG is written atomically.
 
 Grids and overlays are drawn with Pillow (sizes are exact: ``grid_size`` says what a grid will measure);
 curves use matplotlib's Agg backend, imported only when plotting.
@@ -38,12 +39,13 @@ def grid_size(n: int, cols: int = 5, thumb: int = 160, title: bool = True) -> tu
     return cols * (thumb + PAD) + PAD, (TITLE_H if title else 0) + rows * (thumb + LABEL_H + PAD) + PAD
 
 
-def _thumbnail(path: str, thumb: int) -> Image.Image:
+def _thumbnail(path: str, thumb: int, heat: Optional[np.ndarray] = None) -> Image.Image:
     from clip_mini.data.images import ImageError, load_image
 
     tile = Image.new("RGB", (thumb, thumb), _MISSING)
     try:
-        img = Image.fromarray(load_image(path))
+        array = load_image(path)
+        img = Image.fromarray(array) if heat is None else overlay_image(array, heat, alpha=0.45)
     except (ImageError, OSError):
         ImageDraw.Draw(tile).text((8, thumb // 2 - 8), "unreadable", fill=_FG, font=_font(13))
         return tile
@@ -63,12 +65,15 @@ def _fit(name: str, width: int) -> str:
 
 
 def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Path, title: Optional[str] = None,
-                cols: int = 5, thumb: int = 160, names: Optional[Sequence[str]] = None) -> tuple[int, int]:
+                cols: int = 5, thumb: int = 160, names: Optional[Sequence[str]] = None,
+                heats: Optional[Sequence[Optional[np.ndarray]]] = None) -> tuple[int, int]:
     """Draw ranked results (rank, score and file name under each thumbnail) into one PNG; returns its (width,
     height).
 
     Args:
         names: the label under each thumbnail (default: each path's file name).
+        heats: a map per result (any size; None for none) overlaid on its thumbnail (``clip-mini search
+            --explain``).
 
     Unreadable or deleted files get a grey "unreadable" tile rather than failing the whole grid.
     """
@@ -87,10 +92,45 @@ def result_grid(paths: Sequence[str], scores: Sequence[float], out_png: str | Pa
     for i, (path, score) in enumerate(zip(paths, scores)):
         r, c = divmod(i, cols)
         x, y = PAD + c * (thumb + PAD), top + PAD + r * (thumb + LABEL_H + PAD)
-        canvas.paste(_thumbnail(str(path), thumb), (x, y))
+        canvas.paste(_thumbnail(str(path), thumb, None if heats is None else heats[i]), (x, y))
         draw.text((x + 2, y + thumb + 3), f"#{i + 1}  {score:.3f}", fill=_FG, font=_font(13))
         draw.text((x + 2, y + thumb + 18), _fit(names[i] if names else Path(path).name, thumb), fill=_FG,
                   font=_font(11))
+    _save_png(canvas, out_png)
+    return w, h
+
+
+def group_grid(groups: Sequence[Sequence[str]], similarities: Sequence[float], out_png: str | Path,
+               title: Optional[str] = None, per_row: int = 6, thumb: int = 120) -> tuple[int, int]:
+    """One row of thumbnails per group (near-duplicates), its similarity at the left; returns (width, height).
+
+    A group longer than ``per_row`` shows its first ``per_row - 1`` images and a "+N more" tile.
+    """
+    if not groups:
+        raise ValueError("group_grid needs at least one group")
+    if len(groups) != len(similarities):
+        raise ValueError(f"{len(groups)} groups but {len(similarities)} similarities")
+    label_w = 90
+    w = label_w + per_row * (thumb + PAD) + PAD
+    top = TITLE_H if title is not None else 0
+    h = top + len(groups) * (thumb + LABEL_H // 2 + PAD) + PAD
+    canvas = Image.new("RGB", (w, h), _BG)
+    draw = ImageDraw.Draw(canvas)
+    if title is not None:
+        draw.text((PAD, 6), title[:120], fill=_FG, font=_font(15))
+    for g, (paths, sim) in enumerate(zip(groups, similarities)):
+        y = top + PAD + g * (thumb + LABEL_H // 2 + PAD)
+        draw.text((PAD, y + thumb // 2 - 16), f"group {g + 1}", fill=_FG, font=_font(13))
+        draw.text((PAD, y + thumb // 2), f"sim {sim:.3f}", fill=_FG, font=_font(13))
+        shown = list(paths) if len(paths) <= per_row else list(paths[:per_row - 1])
+        for c, path in enumerate(shown):
+            x = label_w + PAD + c * (thumb + PAD)
+            canvas.paste(_thumbnail(str(path), thumb), (x, y))
+            draw.text((x + 2, y + thumb + 2), _fit(Path(path).name, thumb), fill=_FG, font=_font(11))
+        if len(paths) > per_row:
+            x = label_w + PAD + (per_row - 1) * (thumb + PAD)
+            draw.rectangle([x, y, x + thumb, y + thumb], fill=_MISSING)
+            draw.text((x + 8, y + thumb // 2 - 8), f"+{len(paths) - per_row + 1} more", fill=_FG, font=_font(13))
     _save_png(canvas, out_png)
     return w, h
 
@@ -123,6 +163,35 @@ def attention_overlay(image: np.ndarray, heat: np.ndarray, out_png: str | Path, 
     img = overlay_image(image, heat, alpha, size)
     _save_png(img, out_png)
     return img.size
+
+
+def confusion_png(matrix, labels: Sequence[str], out_png: str | Path, title: Optional[str] = None) -> None:
+    """A confusion matrix (rows: true label, columns: predicted) as a PNG, each cell's count written in it."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    m = np.asarray(matrix)
+    if m.ndim != 2 or m.shape != (len(labels), len(labels)):
+        raise ValueError(f"a {len(labels)}-label confusion matrix must be {len(labels)}x{len(labels)}, got {m.shape}")
+    side = min(16.0, 2.5 + 0.55 * len(labels))
+    fig, ax = plt.subplots(figsize=(side, side), dpi=100)
+    try:
+        rows = np.maximum(m.sum(1, keepdims=True), 1)
+        ax.imshow(m / rows, cmap="Blues", vmin=0, vmax=1)   # coloured by the row's share: per-class recall
+        ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set(xlabel="predicted", ylabel="true", title=title or "confusion matrix")
+        for i in range(len(labels)):
+            for j in range(len(labels)):
+                ax.text(j, i, str(int(m[i, j])), ha="center", va="center", fontsize=8,
+                        color="white" if m[i, j] / rows[i, 0] > 0.5 else "black")
+        fig.tight_layout()
+        with atomic_path(out_png, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
 
 
 def plot_curves(records: Sequence[dict], out_png: str | Path) -> None:

@@ -1,0 +1,101 @@
+"""Match maps: Embedder.explain and clip-mini search --explain, on real shapes images.
+
+Where the map points is scored with a model that has learnt where things are: the demo model (``make demo``:
+``runs/tiny/best``, or ``CLIP_MINI_DEMO_MODEL``), skipped when there is none; the session's tiny fixture model
+sees 32 px through a 4x4 patch grid, too coarse to place two objects (its cells straddle them). The mechanics
+(shape, range, text dependence, bad input, the CLI picture) run on the fixture.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from clip_mini.cli.main import main
+
+DEMO = Path(os.environ.get("CLIP_MINI_DEMO_MODEL", Path(__file__).resolve().parents[1] / "runs/tiny/best"))
+
+
+def _two_object_rows(shapes_dir, n: int) -> list[dict]:
+    with open(shapes_dir / "labels.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["split"] == "comp" and r["n_objects"] == "2"][:n]
+
+
+def _peak_in(heat: np.ndarray, box) -> bool:
+    y, x = np.unravel_index(int(np.argmax(heat)), heat.shape)
+    x0, y0, x1, y1 = box
+    return x0 <= x + 0.5 <= x1 and y0 <= y + 0.5 <= y1
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason=f"no demo model at {DEMO} (make demo)")
+def test_map_peaks_on_the_named_object_with_the_demo_model(shapes_dir):
+    import clip_mini
+
+    e = clip_mini.load(DEMO, device="cpu")
+    hits = total = 0
+    for r in _two_object_rows(shapes_dir, 20):
+        path = shapes_dir / "images" / r["image"]
+        for suffix in ("", "_2"):
+            box = [float(r[k + suffix]) for k in ("x0", "y0", "x1", "y1")]
+            query = f"a {r['colour' + ('2' if suffix else '')]} {r['shape' + ('2' if suffix else '')]}"
+            hits += _peak_in(e.explain(path, query), box)
+            total += 1
+    assert hits / total >= 0.7, f"{hits}/{total}"   # a text-blind map scores about 0.5 here
+
+
+def test_explain_map_shape_range_and_text_dependence(trained_model_dir, shapes_dir, tmp_path):
+    import clip_mini
+
+    e = clip_mini.load(trained_model_dir, device="cpu")
+    r = _two_object_rows(shapes_dir, 1)[0]
+    path = shapes_dir / "images" / r["image"]
+    first = e.explain(path, f"a {r['colour']} {r['shape']}")
+    second = e.explain(path, f"a {r['colour2']} {r['shape2']}")
+    assert first.shape == (64, 64) and first.dtype == np.float32
+    assert first.min() == 0 and first.max() == pytest.approx(1)
+    assert not np.allclose(first, second)   # the map depends on the text, unlike the CLS attention
+    tokens = e.explain(path, "a red circle", method="tokens")
+    assert tokens.shape == (64, 64)
+    wide = tmp_path / "wide.png"   # a non-square image: the map covers the image's own pixels
+    Image.open(path).resize((96, 40)).save(wide)
+    assert e.explain(wide, "a red circle").shape == (40, 96)
+
+
+def test_explain_bad_input(model_dir, tmp_path):
+    import clip_mini
+    from clip_mini.embed import InputError
+
+    e = clip_mini.load(model_dir, device="cpu")
+    img = tmp_path / "a.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(img)
+    with pytest.raises(InputError, match="non-empty"):
+        e.explain(img, "   ")
+    with pytest.raises(InputError, match="method"):
+        e.explain(img, "a red circle", method="magic")
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"nope")
+    with pytest.raises(InputError, match="broken.png"):
+        e.explain(broken, "a red circle")
+
+
+def test_search_explain_grid(trained_model_dir, shapes_dir, tmp_path, capsys):
+    from clip_mini.retrieval.index import EmbeddingIndex
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for r in _two_object_rows(shapes_dir, 6):
+        (photos / r["image"]).write_bytes((shapes_dir / "images" / r["image"]).read_bytes())
+    EmbeddingIndex.build(tmp_path / "index", str(trained_model_dir), photos, workers=0)
+    plain, explained = tmp_path / "plain.png", tmp_path / "explained.png"
+    assert main(["search", "--index", str(tmp_path / "index"), "a red circle", "-k", "4", "--grid", str(plain)]) == 0
+    assert main(["search", "--index", str(tmp_path / "index"), "a red circle", "-k", "4", "--grid",
+                 str(explained), "--explain"]) == 0
+    a, b = np.asarray(Image.open(plain), np.float32), np.asarray(Image.open(explained), np.float32)
+    assert a.shape == b.shape and np.abs(a - b).mean() > 1   # the same grid, with the maps laid over the tiles
+    capsys.readouterr()
+    assert main(["search", "--index", str(tmp_path / "index"), "a red circle", "--explain"]) == 2
+    assert "--explain" in capsys.readouterr().err
