@@ -61,12 +61,23 @@ def _tamper(index_dir: Path, new_paths: dict[int, str]) -> None:
 
     manifest = json.loads((index_dir / "manifest.json").read_text())
     items_file = index_dir / manifest["files"]["items"]
-    with open(items_file, newline="") as f:
-        rows = list(csv.reader(f))
-    for row, path in new_paths.items():
-        rows[row + 1][0] = path
-    with open(items_file, "w", newline="") as f:
-        csv.writer(f, lineterminator="\n").writerows(rows)
+    if items_file.suffix == ".cols":   # index format 4: columnar items
+        from clip_mini.retrieval.items import read_items, write_items
+
+        cols = read_items(items_file)
+        names = list(cols)
+        items = {c: list(cols[c]) for c in names}
+        del cols
+        for row, path in new_paths.items():
+            items["path"][row] = path
+        write_items(items_file, items, names)
+    else:
+        with open(items_file, newline="") as f:
+            rows = list(csv.reader(f))
+        for row, path in new_paths.items():
+            rows[row + 1][0] = path
+        with open(items_file, "w", newline="") as f:
+            csv.writer(f, lineterminator="\n").writerows(rows)
     manifest["checksums"][items_file.name] = sha256_file(items_file)
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     atomic_write_json(index_dir / "manifest.json", manifest)
