@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--epochs", type=int, default=None, help="default: the config's")
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo_pooling"))
-    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "demo_pooling.json"))
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "studies" / "demo_pooling.json"))
     args = ap.parse_args(argv)
     from clip_mini.eval.scoring import evaluate_retrieval
 
