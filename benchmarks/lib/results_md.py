@@ -370,6 +370,10 @@ SEARCH = [
     ("1M float16 rows, 64 queries torch-free (`auto`: onnxruntime), under load (target 100 ms: not met)",
      "speed/search_torch_free.json", "{sizes.0.torch_free.exact_auto.q64.p50_ms:.0f} ms",
      "python benchmarks/speed/bench_search.py --sizes 1000000 --out benchmarks/results/speed/search_torch_free.json"),
+    ("cold `clip-mini search`, generated 1M-row index, everything included (target 0.5 s)",
+     "speed/search_cold_cli.json", "{cold_cli.text_query.p50_s:.3f} s (bare `import numpy` "
+     "{cold_cli.python_import_numpy.p50_s:.3f} s; load average {machine.load_average_1min_at_start:.1f})",
+     "python benchmarks/speed/bench_search.py --sizes --out benchmarks/results/speed/search_cold_cli.json"),
     ("open a 10M-row index (columnar items): time; RSS before the first query", "speed/index_10m_open.json",
      "{open.open_s:.3f} s; {open.rss_after_open_mb:.0f} MB", "python benchmarks/speed/bench_index_10m.py --steps open"),
     ("exact, torch kernel, 1M float16 rows, 1 / 64 queries", "speed/search.json",
