@@ -419,6 +419,11 @@ SERVING = [
      "speed/serve_mixed.json", "{points.0.text_p99_ms:.0f} / {points.1.text_p99_ms:.0f} ms; "
      "{points.1.server_rss_peak_mb:.0f} MB; failures {points.1.text_failures}",
      "python benchmarks/speed/bench_serve.py --arm mixed"),
+    ("same, oneDNN kept off AMX (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`)", "speed/serve_mixed_noamx.json",
+     "{points.0.text_p99_ms:.0f} / {points.1.text_p99_ms:.0f} ms; "
+     "{points.1.server_rss_peak_mb:.0f} MB; failures {points.1.text_failures}",
+     "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/speed/bench_serve.py --arm mixed "
+     "--out benchmarks/results/speed/serve_mixed_noamx.json"),
 ]
 
 # The README's summary: (question, JSON, figure template, RESULTS.md anchor). At most 10 rows, lines <= 120.
