@@ -154,13 +154,9 @@ class TrainConfig:
     loss: Literal["clip", "siglip"] = "clip"
     # locked text tower: contrast each image with this many of its captions, all positives, for the text head's cost
     captions_per_image: int = 1
-    # a wall-clock budget for the whole run ("30m", "90s", "1.5h"; a bare number is seconds): the trainer times
-    # its first steps and sets the step count and the cosine schedule so the run, one-time work (cache fill,
-    # frozen-feature pass), evaluations and the final save included, ends within it (clip_mini/train/budget.py);
-    # train.epochs and train.max_steps are then not used. A resumed run keeps the schedule it fitted.
+    # wall clock for the whole run ("30m", "90s", "1.5h"): the step count is fitted to it (train/budget.py)
     budget: Optional[Union[str, float]] = None
-    # a model directory (e.g. runs/flickr8k-vit/best) to start from: its towers, heads, temperature, tokenizer and
-    # preprocessing; the model section must match it or be left out (clip_mini/train/init_from.py)
+    # a model directory to start from (weights, tokenizer, preprocessing; train/init_from.py)
     init_from: Optional[str] = None
 
 
