@@ -395,43 +395,27 @@ def limit_captions(captions: Path, n: int, out_root: Path, sets: list[str]) -> l
 
 
 def print_summary(report: dict) -> None:
-    if report["reported_split"] == "val":
-        print(f"\nquality_flickr8k: VAL split (a race between variants; --final scores test), "
-              f"{report['budget_min']} min per variant")
-        print(f"{'variant':<10} {'wall':>6} {'ep':>3}  {'model':<6} {'ep':>3}  {'t2i R@1':>7} {'R@5':>6} "
-              f"{'R@10':>6} {'i2t R@1':>7} {'R@5':>6} {'R@10':>6} {'rsum':>6}")
-        for r in report["results"]:
-            if "skipped" in r or "error" in r:
-                print(f"{r['variant']:<10} {r.get('skipped') or r.get('error')}")
-                continue
-            for which in ("best", "final"):
-                m = r[which]
-                if not m.get("val") or m["val"].get("rsum") is None:
-                    print(f"{r['variant']:<10} {which}: {m.get('error', 'no val numbers')}")
-                    continue
-                t = m["val"]
-                print(f"{r['variant']:<10} {r['wall_s']:>5.0f}s {r['epochs_done']:>3}  {which:<6} {m['epoch']:>3}  "
-                      f"{t['t2i_r1']:>7.3f} {t['t2i_r5']:>6.3f} {t['t2i_r10']:>6.3f} {t['i2t_r1']:>7.3f} "
-                      f"{t['i2t_r5']:>6.3f} {t['i2t_r10']:>6.3f} {t['rsum']:>6.3f}")
-        return
-    print(f"\nquality_flickr8k: TEST split (--final; best/ selected on val), "
-          f"{report['budget_min']} min per variant")
+    """One row per variant and model (best/ chosen on val, final/): the val split for a race, test under --final."""
+    final = report["reported_split"] != "val"
+    what = "TEST split (--final; best/ selected on val)" if final else \
+        "VAL split (a race between variants; --final scores test)"
+    print(f"\nquality_flickr8k: {what}, {report['budget_min']} min per variant")
     print(f"{'variant':<10} {'wall':>6} {'ep':>3}  {'model':<6} {'ep':>3}  {'t2i R@1':>7} {'R@5':>6} {'R@10':>6} "
-          f"{'i2t R@1':>7} {'R@5':>6} {'R@10':>6} {'rsum':>6}  {'val rsum':>8}")
+          f"{'i2t R@1':>7} {'R@5':>6} {'R@10':>6} {'rsum':>6}" + (f"  {'val rsum':>8}" if final else ""))
     for r in report["results"]:
         if "skipped" in r or "error" in r:
             print(f"{r['variant']:<10} {r.get('skipped') or r.get('error')}")
             continue
         for which in ("best", "final"):
             m = r[which]
-            if "test" not in m:
-                print(f"{r['variant']:<10} {which}: {m.get('error')}")
+            t = m.get("test" if final else "val")
+            if not t or (not final and t.get("rsum") is None):
+                print(f"{r['variant']:<10} {which}: {m.get('error', 'no test numbers' if final else 'no val numbers')}")
                 continue
-            t, val = m["test"], m["val"]
             print(f"{r['variant']:<10} {r['wall_s']:>5.0f}s {r['epochs_done']:>3}  {which:<6} {m['epoch']:>3}  "
                   f"{t['t2i_r1']:>7.3f} {t['t2i_r5']:>6.3f} {t['t2i_r10']:>6.3f} {t['i2t_r1']:>7.3f} "
-                  f"{t['i2t_r5']:>6.3f} {t['i2t_r10']:>6.3f} {t['rsum']:>6.3f}  {val['rsum'] or float('nan'):>8.3f}")
-
+                  f"{t['i2t_r5']:>6.3f} {t['i2t_r10']:>6.3f} {t['rsum']:>6.3f}"
+                  + (f"  {m['val']['rsum'] or float('nan'):>8.3f}" if final else ""))
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -8,7 +8,6 @@ import os
 import sys
 
 from clip_mini.cli.common import command_parser, add_device, add_quiet, positive_int, count
-from clip_mini.retrieval.index import EmbeddingIndexError
 
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -61,7 +60,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from clip_mini.retrieval.format import parse_shard
+    from clip_mini.retrieval.format import EmbeddingIndexError, parse_shard
     from clip_mini.retrieval.shards import merge_indexes
 
     progress = not args.quiet
@@ -106,15 +105,16 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def _index_shards(args: argparse.Namespace, progress: bool) -> int:
     """``index --shards PATTERN [--ray [ADDRESS]]``: WebDataset shards into an index (see retrieval.wds_source)."""
+    from clip_mini.retrieval.format import EmbeddingIndexError
+
     if args.shards is None or args.model is None:
         raise EmbeddingIndexError("index --shards needs --model DIR and --shards PATTERN (--ray works with --shards)")
     if args.shard is not None or args.add:
         raise EmbeddingIndexError("--shard and --add are for image folders; --shards indexes shard by shard already")
-    from clip_mini.embed import load
     from clip_mini.data.webdataset import expand_shards
+    from clip_mini.embed import load
     from clip_mini.retrieval.wds_source import index_shards
-
-    from clip_mini.runtime.devices import resolve_device, resolve_precision
+    from clip_mini.runtime.devices import resolve_precision
 
     shards = expand_shards(args.shards)
     embed = None
@@ -171,6 +171,8 @@ def _rank_device():
 
 
 def _index_inputs(args: argparse.Namespace):
+    from clip_mini.retrieval.format import EmbeddingIndexError
+
     from clip_mini.retrieval.files import scan_images
 
     if args.images is not None:

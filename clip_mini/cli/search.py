@@ -8,7 +8,6 @@ from pathlib import Path
 
 from clip_mini.cli.common import add_device, add_quiet, check_output_folder, command_parser, positive_int
 from clip_mini.cli.printing import print_json, print_results
-from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
 
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -38,6 +37,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
+
     if (args.query is None) == (args.image is None):
         raise EmbeddingIndexError("search needs a text query or --image PATH (exactly one)")
     if args.query is not None and not args.query.strip():
@@ -87,7 +88,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _match_maps(index: EmbeddingIndex, args: argparse.Namespace, files: list[str]) -> list:
+def _match_maps(index, args: argparse.Namespace, files: list[str]) -> list:
     """Each hit's match map for the text query (None where the file cannot be read: the grid marks it)."""
     from clip_mini.embed import InputError, load
 
