@@ -21,14 +21,14 @@ from clip_mini.errors import ClipMiniError, InputError  # noqa: E402
 from clip_mini.version import __version__  # noqa: E402
 
 
-def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "fp32"):
+def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "auto"):
     """Load a model directory as an ``Embedder`` with ``encode_text`` / ``encode_image``.
 
     Args:
         model_dir: a model directory (``runs/<name>/best``).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         batch_size: default inputs per forward pass.
-        precision: "fp32", "bf16" or "fp16" autocast.
+        precision: "auto" (bf16 where the device computes it natively, else fp32), "fp32", "bf16" or "fp16".
     """
     from clip_mini.embed import load as _load
 

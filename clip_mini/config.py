@@ -130,7 +130,9 @@ class TrainConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"   # fp16: with a GradScaler, for GPUs without bf16
+    # auto: bf16 where the device computes it natively (AVX512-BF16 or AMX CPU, GPU of capability >= 8.0), else fp32;
+    # fp16: with a GradScaler, for GPUs without bf16
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda (cuda:LOCAL_RANK under torchrun) or
     # cuda:N (one process); bit-exact resume is a CPU property (GPU kernels may sum in varying order)
     device: str = "auto"

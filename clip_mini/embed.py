@@ -16,7 +16,7 @@ from typing import Any, Iterator, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from clip_mini.runtime.devices import DeviceArg, resolve_device, to_device, use_device
+from clip_mini.runtime.devices import DeviceArg, resolve_device, resolve_precision, to_device, use_device
 from clip_mini.errors import InputError
 from clip_mini.runtime.precision import autocast
 
@@ -37,19 +37,20 @@ class Embedder:
         model: a ``CLIPModel``.
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         batch_size: default inputs per forward pass (each call may override it).
-        precision: "fp32", "bf16" or "fp16" autocast for the towers (rows are renormalised in fp32).
+        precision: "auto" (bf16 where ``device`` computes it natively, else fp32: ``resolve_precision``), "fp32",
+            "bf16" or "fp16" autocast for the towers (rows are renormalised in fp32).
         model_dir: the directory the model came from (shown by ``repr``; recorded by indexes built with it).
     """
 
-    def __init__(self, model, device: DeviceArg = "auto", batch_size: int = 64, precision: str = "fp32",
+    def __init__(self, model, device: DeviceArg = "auto", batch_size: int = 64, precision: str = "auto",
                  model_dir: Optional[str | Path] = None):
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise InputError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+        if precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise InputError(f"precision must be auto, fp32, bf16 or fp16, got {precision!r}")
         # the current CUDA device too, before the model copy or any pinned batch opens a context on GPU 0
         self.device = use_device(resolve_device(device))
         self.model = model.to(self.device).eval()
         self.batch_size = _positive(batch_size, "batch_size")
-        self.precision = precision
+        self.precision = resolve_precision(precision, self.device)
         self.model_dir = None if model_dir is None else str(model_dir)
         self._transform = None
         self.fingerprint = getattr(model, "fingerprint", None)
@@ -74,7 +75,7 @@ class Embedder:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: DeviceArg = "auto", batch_size: int = 64,
-             precision: str = "fp32") -> "Embedder":
+             precision: str = "auto") -> "Embedder":
         from clip_mini.model.clip import CLIPModel
 
         device = resolve_device(device)   # before reading weights: a bad --device fails at once
@@ -314,7 +315,7 @@ class Embedder:
 
 
 
-def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "fp32") -> Embedder:
+def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "auto") -> Embedder:
     """``clip_mini.load``: a model directory as an ``Embedder`` (see ``Embedder.load``)."""
     return Embedder.load(model_dir, device=device, batch_size=batch_size, precision=precision)
 

@@ -214,12 +214,18 @@ def test_eval_of_best_reproduces_the_trainers_row(eval_shapes, tmp_path, locked,
     row = next(r for r in rows if r["kind"] == "epoch" and r["epoch"] == trained["epoch"])
     capsys.readouterr()
     assert main(["eval", "--model", str(run / "best"), "--data", str(run / "config.yaml"), "--split", "val",
-                 "--json"]) == 0
+                 "--precision", "bf16", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     keys = [f"{d}_{m}" for d in ("t2i", "i2t") for m in ("r1", "r5", "r10", "medr")] + ["rsum", "loss"]
     assert got["precision"] == "bf16" and got["n_images"] == row["val_n_images"] == 40
     for k in keys:
         assert got[k] == pytest.approx(row[f"val_{k}"], abs=1e-6), k
+    # no --precision: the hardware rule, not the precision the model was trained at
+    assert main(["eval", "--model", str(run / "best"), "--data", str(run / "config.yaml"), "--split", "val",
+                 "--json"]) == 0
+    from clip_mini.runtime.devices import resolve_precision
+
+    assert json.loads(capsys.readouterr().out)["precision"] == resolve_precision("auto", torch.device("cpu"))
     # fp32 is another model's numbers: the flag is honoured (and the loss moves)
     assert main(["eval", "--model", str(run / "best"), "--data", str(run / "config.yaml"), "--split", "val",
                  "--precision", "fp32", "--json"]) == 0

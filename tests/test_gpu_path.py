@@ -72,7 +72,7 @@ def test_the_embedder_makes_its_gpu_current_before_moving_the_model(monkeypatch,
     monkeypatch.setattr(devices, "enable_tf32", lambda d: order.append(("tf32", str(d))))
     model = CLIPModel.from_pretrained(model_dir)
     monkeypatch.setattr(model, "to", lambda d: order.append(("to", str(d))) or model)
-    e = embed.Embedder(model, device="cuda:1")
+    e = embed.Embedder(model, device="cuda:1", precision="fp32")   # auto would ask the (mocked) GPU's capability
     assert e.device == torch.device("cuda", 1)
     assert order == [("set_device", "cuda:1"), ("tf32", "cuda:1"), ("to", "cuda:1")]
 

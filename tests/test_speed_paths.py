@@ -147,9 +147,12 @@ def test_index_precision_auto_is_bf16_only_where_bf16_is_native(monkeypatch):
     from clip_mini.cli.main import build_parser
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(devices, "_cpu_flags", lambda: {"avx512f", "avx2"})   # bf16 emulated: slower than fp32
+    import clip_mini.runtime.isa as isa
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx512f", "avx2"})   # bf16 emulated: slower than fp32
     assert devices.resolve_precision("auto", cpu) == "fp32"
-    monkeypatch.setattr(devices, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert devices.resolve_precision(None, cpu) == "bf16"
     assert devices.resolve_precision("fp32", cpu) == "fp32"   # an explicit choice is kept
     parse = build_parser().parse_args

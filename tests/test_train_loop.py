@@ -73,7 +73,8 @@ def test_tiny_run_learns_and_writes_a_complete_run_directory(shapes, tmp_path):
     assert result["best_value"] == pytest.approx(best["val_t2i_r1"]) and not result["stopped"]
     for name in ("config.yaml", "curves.png", "tokenizer/tokenizer.json"):
         assert (run / name).is_file(), name
-    assert load_config(run / "config.yaml") == _cfg(shapes, run, "train.epochs=12", "train.keep_checkpoints=2")
+    assert load_config(run / "config.yaml") == _cfg(shapes, run, "train.epochs=12", "train.keep_checkpoints=2",
+                                                    f"train.precision={result['precision']}")   # auto, decided
     assert len(list((run / "checkpoints").glob("ckpt-*.pt"))) == 2
     for d in ("best", "final"):
         read_manifest(run / d, verify=True)

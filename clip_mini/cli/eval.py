@@ -31,8 +31,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=positive_int, default=None,
                     help="images/captions per pass and pairs per loss batch (default: the model's training "
                          "eval_batch_size, else the config's; 64 for zero-shot)")
-    ev.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                    help="autocast precision (default: the one the model was trained and evaluated at, else fp32)")
+    ev.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                    help="autocast precision (auto: bf16 where the device computes it natively, else fp32)")
     ev.add_argument("--workers", type=count, default=None,
                     help="DataLoader workers decoding images (default: none on a CPU, 4 on a GPU)")
     ev.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -50,11 +50,14 @@ def trained_settings(model_dir: str | Path) -> dict:
     return {k: trained[k] for k in ("precision", "eval_batch_size") if k in trained}
 
 
-def _resolve_precision(precision: Optional[str], model_dir: str | Path) -> str:
-    precision = precision or trained_settings(model_dir).get("precision", "fp32")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise EvalError(f"--precision must be fp32, bf16 or fp16, got {precision!r}")
-    return precision
+def _resolve_precision(precision: Optional[str], device: str) -> str:
+    """``--precision`` by the one hardware rule (``auto`` / None: bf16 where the device computes it natively, else
+    fp32), not the precision the model was trained at: a bf16-trained model scored on a CPU without bf16 runs fp32."""
+    from clip_mini.runtime.devices import resolve_device, resolve_precision
+
+    if precision not in (None, "auto", "fp32", "bf16", "fp16"):
+        raise EvalError(f"--precision must be auto, fp32, bf16 or fp16, got {precision!r}")
+    return resolve_precision(precision, resolve_device(device))
 
 
 def default_split(data_cfg) -> str:
@@ -73,8 +76,8 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
     The split comes from ``data.load_splits`` (as in the trainer; for a WebDataset config, ``data.format:
     webdataset``, the validation shards' images as the trainer extracts them), the pixels from its image cache
     (when ``data.cache`` is on) and eval transform, and the scores from its ``evaluate_model``, run at the
-    trainer's precision and batch size, so for the run's own model and config the numbers equal the ones in its
-    ``metrics.jsonl``. Unreadable images are left out with their captions (``n_dropped_images``,
+    trainer's batch size and at the precision the hardware rule picks (the trainer's own on the machine it ran
+    on), so there, for the run's own model and config, the numbers equal the ones in its ``metrics.jsonl``. Unreadable images are left out with their captions (``n_dropped_images``,
     ``n_dropped_captions``).
 
     Args:
@@ -83,8 +86,8 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
         batch_size: images / captions per forward pass and pairs per loss batch (the loss depends on it).
             None: the ``eval_batch_size`` the model directory records, else the config's
             ``train.eval_batch_size``.
-        precision: ``"fp32"`` or ``"bf16"`` autocast. None: the precision the model directory records (the
-            run's ``train.precision``), else fp32.
+        precision: ``"auto"`` / None (bf16 where ``device`` computes it natively, else fp32), ``"fp32"``,
+            ``"bf16"`` or ``"fp16"`` autocast.
         device: "auto", "cpu", "cuda" or "cuda:N".
 
     Raises:
@@ -98,7 +101,7 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
 
     if split not in (None, "train", "val", "test"):
         raise EvalError(f"--split must be train, val or test, got {split!r}")
-    precision = _resolve_precision(precision, model_dir)
+    precision = _resolve_precision(precision, device)
     cfg = load_config(config, overrides)
     wds = cfg.data.format == "webdataset"
     if split is None:
@@ -211,7 +214,7 @@ def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Option
     from clip_mini.embed import load
     from clip_mini.eval.metrics import zero_shot_accuracy
 
-    precision = _resolve_precision(precision, model_dir)
+    precision = _resolve_precision(precision, device)
     classes, paths, targets = read_labels(labels, images, label_col)
     if len(classes) < 2:
         raise EvalError(f"{labels}: zero-shot classification needs at least 2 classes, found {classes}")

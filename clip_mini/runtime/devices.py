@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from contextlib import contextmanager
 from typing import Iterator, Optional, Union
 
 import torch
 
 from clip_mini.errors import ClipMiniError
+from clip_mini.runtime.isa import cpu_native_bf16
 
 DeviceArg = Union[str, torch.device, None]
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -22,6 +24,13 @@ _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
 class DeviceError(ClipMiniError, ValueError):
     """A device that does not exist here (e.g. ``cuda`` on a machine without a GPU) or is misspelled."""
+
+
+class PrecisionError(ClipMiniError, ValueError):
+    """A compute precision that is misspelled, or that the device cannot run (bf16 on a GPU without bf16 units)."""
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def resolve_device(device: DeviceArg = "auto") -> torch.device:
@@ -101,37 +110,43 @@ def use_device(device: DeviceArg) -> torch.device:
 
 def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 runs natively fast on ``device``: a CUDA GPU of compute capability 8.0 or newer (Ampere on),
-    or a CPU with AVX-512 BF16 or AMX.
+    or a CPU with AVX-512 BF16 or AMX that oneDNN may use (``runtime.isa.cpu_native_bf16``).
 
     Older GPUs (V100: 7.0, T4: 7.5) have no bf16 units: ``torch.cuda.is_bf16_supported()`` still answers True
     there (bf16 emulated in fp32 units) and asks about the *current* device, not ``device``; the capability of
     ``device`` itself is what matters. On a CPU without those instructions bf16 is emulated and slower than fp32.
-    Reads the Linux CPU flags; elsewhere answers False (fp32).
     """
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return cpu_native_bf16()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def resolve_precision(precision: Optional[str], device: torch.device) -> str:
-    """``"auto"`` / None -> ``"bf16"`` where ``fast_bf16(device)``, else ``"fp32"``; anything else unchanged.
+def resolve_precision(precision: Optional[str], device: torch.device, warn: bool = True) -> str:
+    """The one rule for a compute dtype: ``"auto"`` / None -> ``"bf16"`` where ``fast_bf16(device)``, else
+    ``"fp32"``; an explicit choice is kept.
 
     "auto" never picks fp16 on an older GPU by itself (fp16's range can overflow a tower's activations); there
-    ``--precision fp16`` is the fast choice to ask for (``precision_hint``)."""
+    ``--precision fp16`` is the fast choice to ask for (``precision_hint``). An explicit ``"bf16"`` on a CPU without
+    native bf16 runs, with one warning naming its cost; on a GPU without bf16 units it is refused.
+
+    Raises:
+        PrecisionError: an unknown name, or bf16 asked of a GPU that has no bf16 units.
+    """
     if precision in (None, "auto"):
         return "bf16" if fast_bf16(device) else "fp32"
+    if precision not in PRECISIONS:
+        raise PrecisionError(f"unknown precision {precision!r}: use {', '.join(('auto',) + PRECISIONS)}")
+    device = torch.device(device)
+    if precision == "bf16" and not fast_bf16(device):
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            raise PrecisionError(f"bf16 asked for on {torch.cuda.get_device_name(device)} (compute capability "
+                                 f"{major}.{minor}), which has no bf16 units: use fp16 (with loss scaling) or auto")
+        if warn:   # once per calling line, as Python shows a RuntimeWarning
+            warnings.warn("bf16 asked for on a CPU without native bf16 (no AVX512-BF16 or AMX here, or oneDNN capped "
+                          "below them): it is emulated, about 2.3-2.7x slower than fp32 for a training step; "
+                          "precision auto picks fp32 here", RuntimeWarning, stacklevel=2)
     return precision
 
 

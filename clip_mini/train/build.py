@@ -11,8 +11,12 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from clip_mini.config import Config, ConfigError
 from clip_mini.errors import ClipMiniError
+from clip_mini.runtime.devices import PRECISIONS, resolve_precision
+from clip_mini.runtime.isa import cpu_kind
 from clip_mini.train.logbook import metric_key
 
 
@@ -48,6 +52,29 @@ def check_train_config(cfg: Config) -> None:
                           "trains change every step and cannot be precomputed")
     if not (cfg.model.vision.trainable or cfg.model.text.trainable) and t.lr_head == 0:
         raise ConfigError("nothing to train: both towers frozen and train.lr_head = 0")
+
+
+def resolve_train_precision(cfg: Config, device: torch.device, ckpt: Optional[dict] = None,
+                            say: bool = True) -> Config:
+    """``cfg`` with ``train.precision`` decided once for the run (``runtime.devices.resolve_precision``): ``auto`` by
+    the device, unless a resumed checkpoint already decided it (a resumed run keeps its precision, whatever CPU it
+    continues on). Prints the choice and why; the returned config is what the run saves and checkpoints."""
+    asked = cfg.train.precision
+    kept = (ckpt or {}).get("config", {}).get("train", {}).get("precision")
+    if asked == "auto" and kept in PRECISIONS:
+        chosen, why = kept, "kept from the checkpoint"
+    else:
+        chosen = resolve_precision(asked, device)
+        if asked != "auto":
+            why = "asked for"
+        elif device.type == "cuda":
+            why = "auto: " + ("this GPU has bf16 units" if chosen == "bf16" else "this GPU has no bf16 units")
+        else:
+            why = (f"auto: this CPU computes bf16 natively ({cpu_kind()})" if chosen == "bf16" else
+                   "auto: this CPU has no native bf16 (AVX512-BF16 or AMX), where bf16 is slower than fp32")
+    if say:
+        print(f"precision: {chosen} ({why})")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=chosen))
 
 
 def check_run_dir(run: Path, resuming: bool) -> None:

@@ -26,7 +26,7 @@ from clip_mini.train import init_from, text_cache
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.budget import Budget, feature_pass_check, fill_cache
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
-                                   warn_config_changes)
+                                   resolve_train_precision, warn_config_changes)
 from clip_mini.train.distributed import (all_min, barrier, cleanup, default_threads, gather, init_distributed,
                                          rank_seed)
 from clip_mini.eval.validation import evaluate_model
@@ -62,12 +62,14 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
 
 
 def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], started: Optional[float]) -> dict:
-    # -- set-up: threads, run directory, resume point --------------------------------------------------------
-    t, main, device = cfg.train, info.is_main, info.device
-    torch.set_num_threads(t.threads or default_threads(info))
-    run, t0 = Path(t.out_dir), time.time()
+    # -- set-up: threads, run directory, resume point, the run's precision ------------------------------------
+    main, device = info.is_main, info.device
+    torch.set_num_threads(cfg.train.threads or default_threads(info))
+    run, t0 = Path(cfg.train.out_dir), time.time()
     ckpt_path = ckpt_io.resolve_resume(resume, run)
     ckpt = ckpt_io.load_checkpoint(ckpt_path) if ckpt_path else None
+    cfg = resolve_train_precision(cfg, device, ckpt, say=main)   # decided once; saved, checkpointed, kept on resume
+    t = cfg.train
     check_run_dir(run, resuming=ckpt is not None)
     start_dir = init_from.init_dir(cfg) if t.init_from and not ckpt else None   # train.init_from: a model directory
     # train.budget: the run's plan; a resumed run keeps the one it fitted (its total steps), without fitting again
@@ -335,6 +337,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
     result = {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
               "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
               "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0),
+              "precision": t.precision,
               **({"budget": budget.state} if budget else {})}
     if main:   # where this process's minutes went, for the user and benchmarks/speed/bench_e2e.py (a file a process)
         from clip_mini.fileio.atomic import atomic_write_json
@@ -463,7 +466,8 @@ def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog,
                          precision=t.precision, workers=loader_workers(cfg.data.workers), tower_features=tower)
     total, n = state["epoch_loss"]
     log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
-             **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start})
+             **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start,
+             "precision": t.precision})
     log.flush()
     write_curves(log.rows, log.path.parent / "curves.png")
     tqdm.write(f"epoch {epoch_done}: val loss {val['loss']:.4f}  t2i R@1/5/10 {val['t2i_r1']:.3f}/"
