@@ -156,7 +156,7 @@ class TrainConfig:
     loss: Literal["clip", "siglip"] = "clip"
     # locked text tower: contrast each image with this many of its captions, all positives, for the text head's cost
     captions_per_image: int = 1
-    # wall clock for the whole run ("30m", "90s", "1.5h"): the step count is fitted to it (train/budget.py)
+    # wall clock for the whole run ("30m", "90s", "1.5h"; seconds once loaded): the step count is fitted to it
     budget: Optional[Union[str, float]] = None
     # a model directory to start from (weights, tokenizer, preprocessing; train/init_from.py)
     init_from: Optional[str] = None
@@ -170,6 +170,8 @@ class Config:
 
     def validate(self) -> "Config":
         _check_ranges(self)
+        if self.train.budget is not None:   # parsed here, once: the run reads seconds
+            self.train.budget = parse_duration(self.train.budget, "train.budget")
         return self
 
     def to_dict(self) -> dict:
@@ -271,8 +273,6 @@ def _check_ranges(cfg: Config) -> None:
         val = getattr(cfg.train, name)
         if val is not None and val < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {val!r}")
-    if cfg.train.budget is not None:
-        parse_duration(cfg.train.budget, "train.budget")
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
         raise ConfigError("train.init_from must name a model directory (or be null)")
 

@@ -42,7 +42,7 @@ def _rows(run) -> list[dict]:
 def test_durations_parse_and_bad_ones_name_the_field():
     assert parse_duration("30m") == 1800 and parse_duration("90s") == 90 and parse_duration("1.5h") == 5400
     assert parse_duration(45) == 45 and parse_duration("2 min") == 120
-    assert load_config(None, ["train.budget=90s"]).train.budget == "90s"
+    assert load_config(None, ["train.budget=90s"]).train.budget == 90.0   # parsed once, at load: seconds
     for bad in ("ten", "", "-3m", "0s", "3d", "1.5.2h"):
         with pytest.raises(ConfigError, match="train.budget"):
             load_config(None, [f"train.budget={bad}"])
@@ -113,18 +113,81 @@ def test_paused_budget_run_resumes_to_the_weights_of_an_unpaused_one(shapes, tmp
         assert torch.equal(a[k], b[k]), k
 
 
-def test_one_time_work_over_the_budget_stops_before_training(shapes, tmp_path):
+def test_the_one_time_projection_decides_by_the_rate_not_by_a_deadline_already_past():
+    from clip_mini.train.budget import _check_projection
+
+    now = time.time()
+    # 10 of 1000 images in 1 s: about 99 s more. A deadline 200 s away leaves room; one 50 s away does not.
+    _check_projection("filling the image cache", 10, 1000, 1.0, now + 200, 300, "use data.cache: false")
+    with pytest.raises(BudgetError, match=r"filling the image cache alone would take about 100 s .*1000 images at "
+                                          r"10\.0/s.*use data.cache: false, or raise train.budget"):
+        _check_projection("filling the image cache", 10, 1000, 1.0, now + 50, 300, "use data.cache: false")
+    # at 100 images/s the same 1000 fit in 50 s
+    _check_projection("filling the image cache", 100, 1000, 1.0, now + 50, 300, "use data.cache: false")
+
+
+def test_one_time_work_over_the_budget_stops_before_training(shapes, tmp_path, monkeypatch):
+    import clip_mini.train.budget as budget_mod
+    from clip_mini.data import ImageDataset
+
+    seen = []
+    plain = budget_mod._check_projection
+
+    def spy(what, done, total, seconds, deadline, *rest):
+        seen.append((what, done, total, deadline - time.time()))
+        return plain(what, done, total, seconds, deadline, *rest)
+    monkeypatch.setattr(budget_mod, "_check_projection", spy)
+    # decoding at a crawl (30 ms an image): 1200 images need far more than the budget leaves, though the deadline
+    # is still ahead when the fill starts
+    get = ImageDataset.__getitem__
+    monkeypatch.setattr(ImageDataset, "__getitem__", lambda self, i: time.sleep(0.03) or get(self, i))
     run = tmp_path / "run"
     with pytest.raises(BudgetError, match=r"filling the image cache alone would take about .*raise train.budget"):
-        train(_cfg(shapes, run, "train.budget=0.3s", f"data.cache_dir={tmp_path / 'cold-cache'}"))
+        train(_cfg(shapes, run, "train.budget=15s", f"data.cache_dir={tmp_path / 'cold-cache'}"),
+              started=time.time())
+    what, done, total, left = seen[0]
+    assert what == "filling the image cache" and 0 < done < total == 1200 and left > 0
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").glob("ckpt-*.pt"))
+
+
+@pytest.mark.slow
+def test_a_run_that_slows_down_stops_at_the_hard_deadline(shapes, tmp_path, monkeypatch, capsys):
+    """Steps turn 0.25 s slower after the fit and the run never re-fits: without the hard stop it would overrun by
+    about its remaining steps' extra time; with it, it ends within its budget plus the timing noise of its end."""
+    import clip_mini.train.loop as loop
+    from clip_mini.train.budget import Budget
+
+    monkeypatch.setattr(Budget, "off_course", lambda self, step, total: False)
+    plain = loop.forward_backward
+
+    def slow_after_fit(*a, **k):
+        if loop_state["fitted"]:
+            time.sleep(0.25)
+        return plain(*a, **k)
+    loop_state = {"fitted": False}
+    fit = Budget.fit
+    monkeypatch.setattr(Budget, "fit", lambda self, *a, **k: loop_state.update(fitted=True) or fit(self, *a, **k))
+    monkeypatch.setattr(loop, "forward_backward", slow_after_fit)
+    started = time.time()
+    result = train(_cfg(shapes, tmp_path / "run", "train.budget=20s", "train.warmup_steps=10"), started=started)
+    wall = time.time() - started
+    assert "budget: stopped at step" in capsys.readouterr().out
+    fitted_total = result["budget"]["fits"][0]["total"]
+    # without the stop: about (fitted_total - step) x 0.25 s late. The end's own noise is the bound: 10% when the
+    # run had the cores to itself, coarser on a busy machine (as the budget test above)
+    quiet = os.getloadavg()[0] <= (os.cpu_count() or 1) + 0.5
+    assert result["step"] < fitted_total and wall <= 20 * (1.1 if quiet else 1.25), (wall, result["step"],
+                                                                                      fitted_total)
+    rows = [r for r in _rows(tmp_path / "run") if r["kind"] == "step"]
+    assert rows[-1]["step"] == result["step"]
+    assert rows[-1]["lr"] == pytest.approx(0.1 * 2e-3, rel=1e-6)   # the step before the stop ran at the minimum
 
 
 def test_budget_and_init_from_flags_set_the_config_keys(capsys):
     from clip_mini.cli.train import main
 
     assert main(["--config", "configs/tiny.yaml", "--budget", "90s", "--print-config"]) == 0
-    assert "budget: 90s" in capsys.readouterr().out
+    assert "budget: 90.0" in capsys.readouterr().out   # parsed once, when the config is loaded: seconds
     assert main(["--config", "configs/tiny.yaml", "--budget", "soon", "--print-config"]) == 2
     assert "train.budget must be a duration" in capsys.readouterr().err
     assert main(["--config", "configs/tiny.yaml", "--init-from", "no/such/model", "--print-config"]) == 0

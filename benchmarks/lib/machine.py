@@ -50,6 +50,10 @@ def machine_info() -> dict:
             "python": platform.python_version(),
             # other processes competing for the cores make every rate smaller
             "load_average_1min_at_start": round(os.getloadavg()[0], 2)}
+    from clip_mini.runtime.isa import cpu_record
+
+    rec = cpu_record()   # the CPU kind as the compute dtype sees it, oneDNN's cap, what precision auto picks here
+    info.update(cpu_kind=rec["kind"], onednn_max_cpu_isa=rec["onednn_max_cpu_isa"], auto_precision=rec["auto_precision"])
     torch = sys.modules.get("torch")
     if torch is not None:
         info["torch"] = torch.__version__

@@ -13,12 +13,17 @@ The run's clock starts when the process does (``python train.py`` / ``clip-mini 
    others). The fit happens inside the warmup where it can, whose learning rate does not depend on the schedule
    length, so the cosine is set once before it starts.
 3. The step time drifts (a shared CPU, a warm page cache), so the fit is redone at every epoch end from the
-   recent steps and the measured evaluations, and at once when a check every ``log_every`` steps finds the run
-   heading past its budget; the cosine is stretched or shrunk from there on, and still reaches its minimum at the
-   last step.
+   recent steps and the measured evaluations, and at once when a check after every step finds the run heading
+   past its budget. Each re-fit continues the cosine from where it stands (``train/schedule.py``): no step's
+   learning rate jumps, and the last step still runs at the minimum. A warm-up longer than a quarter of the
+   fitted run is cut to that.
+4. A hard stop bounds the overrun: once one more step would leave less time than the run's end needs (this
+   epoch's evaluation and saves, the final save, the exit, at their latest measured times), that step is the
+   last, run at the minimum learning rate. A run then overruns its budget only by how much longer its last step
+   and its end take than they last did.
 
-The plan is stored in every checkpoint (``Budget.state``). A resumed run keeps it: it finishes the fitted
-schedule without fitting again, so a paused run resumes to the weights of one that was not paused.
+The plan and the schedule's anchors are stored in every checkpoint. A resumed run keeps them: it finishes the
+fitted schedule without fitting again, so a paused run resumes to the weights of one that was not paused.
 
 ``fit_steps`` / ``fit_epochs`` / ``fit_schedule`` are also what ``benchmarks/quality_flickr8k.py`` and its
 open_clip peer fit with.
@@ -31,7 +36,6 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from clip_mini.config import Config, parse_duration
 from clip_mini.errors import ClipMiniError
 
 TARGET = 0.97         # share of the time left that a fit plans for: process exit and timing noise take the rest
@@ -140,34 +144,22 @@ def feature_pass_check(deadline: float, budget_s: float) -> Callable[[int, int, 
 
 # -- the run's plan ---------------------------------------------------------------------------------------------
 class Budget:
-    """The run's wall-clock budget: times the steps, evaluations and writes, fits and re-fits the step count.
+    """The run's wall-clock budget, an observer of the run's clock (``train/clock.py``): it keeps the recent step
+    times, reads the latest evaluation and save times there, and fits the step count to the time left.
 
-    ``state`` (stored in every checkpoint) is the plan; ``Budget.resume`` restores a fitted one, which is then kept.
+    ``state`` (stored in every checkpoint) is the plan; ``resume`` restores a fitted one, which is then kept.
     """
 
-    def __init__(self, budget_s: float, started: float, warmup_steps: int, steps_per_epoch: int = 0,
-                 checkpoint_every: int = 0):
-        self.budget_s, self.started = budget_s, started
-        self.deadline = started + budget_s
-        self.spe, self.checkpoint_every = steps_per_epoch, checkpoint_every   # spe: set once the inputs are built
-        self.one_time_s: Optional[float] = None   # set-up and one-time work before the first step
+    def __init__(self, budget_s: float, clock, warmup_steps: int, steps_per_epoch: int, checkpoint_every: int = 0):
+        self.budget_s, self.clock = budget_s, clock
+        self.deadline = clock.started + budget_s
+        self.spe, self.checkpoint_every = steps_per_epoch, checkpoint_every
+        self.one_time_s = clock.elapsed()   # set-up and one-time work before the first step
         self.fit_at = timed_steps(warmup_steps)
-        self.eval_s = 0.0        # one validation evaluation
-        self.save_s = 0.0        # one checkpoint write (the per-epoch one, the periodic ones)
-        self.model_save_s = 0.0  # one model directory (best/ at an improving epoch; final/ at the end)
         self.step_times: deque[float] = deque(maxlen=RECENT)
         self.since_start = 0     # steps this process has run (the first SKIP are not timed)
-        self.last_end: Optional[float] = None
         self.plan: dict = {"budget_s": budget_s, "fitted": False, "total": None, "fits": []}
         self.kept = False        # a resumed, fitted plan: no more fitting
-
-    @classmethod
-    def from_config(cls, cfg: Config, started: float) -> Optional["Budget"]:
-        """The run's budget (None without ``train.budget``)."""
-        t = cfg.train
-        if t.budget is None:
-            return None
-        return cls(parse_duration(t.budget), started, t.warmup_steps, checkpoint_every=t.checkpoint_every)
 
     def resume(self, state: Optional[dict]) -> Optional[int]:
         """Take a checkpoint's plan; returns its total steps when it was fitted (and is then kept), else None."""
@@ -177,41 +169,45 @@ class Budget:
         return None
 
     @property
+    def fitting(self) -> bool:
+        return not self.kept
+
+    @property
     def state(self) -> dict:
         return dict(self.plan)
-
-    def elapsed(self) -> float:
-        return time.time() - self.started
 
     def step_s(self) -> float:
         return sum(self.step_times) / len(self.step_times)
 
-    # -- timing ---------------------------------------------------------------------------------------------------
-    def steps_started(self) -> None:
-        """The step loop (re)starts: the next step's time begins now (evaluations and writes are timed apart)."""
-        self.last_end = time.perf_counter()
-
-    def step_done(self) -> None:
-        now = time.perf_counter()
+    def step_done(self, lap: Optional[float]) -> None:
+        """A step ended, ``lap`` seconds after the previous one (``RunClock.lap``: evaluations and writes left out)."""
         self.since_start += 1
-        if self.last_end is not None and self.since_start > SKIP:
-            self.step_times.append(now - self.last_end)
-        self.last_end = now
+        if lap is not None and self.since_start > SKIP:
+            self.step_times.append(lap)
 
-    def exclude(self, seconds: float) -> None:
-        """Time spent inside the step loop on something timed apart (a periodic checkpoint)."""
-        if self.last_end is not None:
-            self.last_end += seconds
+    # -- the clock's latest measurements ----------------------------------------------------------------------
+    def _eval_s(self) -> float:
+        return self.clock.last("evaluation")
 
-    # -- fitting --------------------------------------------------------------------------------------------------
+    def _save_s(self) -> float:
+        return self.clock.last("checkpoints")
+
+    def _model_save_s(self) -> float:
+        """One model directory (best/ at an improving epoch; final/ at the end); a checkpoint's time until then."""
+        return self.clock.last("model_save", self._save_s())
+
+    def _exit_s(self) -> float:
+        return min(EXIT_S, EXIT_SHARE * self.budget_s)
+
+    # -- fitting ----------------------------------------------------------------------------------------------
     def per_epoch_s(self) -> float:
         """An epoch end: the evaluation, the checkpoint, and best/ (written at every improving epoch: counted
-        always, so a run that keeps improving still fits; a checkpoint's time until one is measured)."""
-        return self.eval_s + self.save_s + (self.model_save_s or self.save_s)
+        always, so a run that keeps improving still fits)."""
+        return self._eval_s() + self._save_s() + self._model_save_s()
 
     def time_left(self) -> float:
         """Seconds left for steps and epoch ends: the budget less what has run, the final save and the exit."""
-        return self.deadline - time.time() - (self.model_save_s or self.save_s) - min(EXIT_S, EXIT_SHARE * self.budget_s)
+        return self.deadline - time.time() - self._model_save_s() - self._exit_s()
 
     def fit(self, step: int, latest: bool = False) -> int:
         """The total number of steps that ends the run within the budget, from ``step`` (the epoch ends up to
@@ -222,15 +218,14 @@ class Budget:
             recent = list(self.step_times)[-LATEST:]
             step_s = max(step_s, sum(recent) / len(recent))
         if self.checkpoint_every:   # the periodic checkpoints' time, spread over the steps
-            step_s += self.save_s / self.checkpoint_every
+            step_s += self._save_s() / self.checkpoint_every
         total = fit_steps(self.time_left(), step_s, self.per_epoch_s(), self.spe, step)
-        self.plan.update(fitted=True, total=total, step_s=round(step_s, 4), eval_s=round(self.eval_s, 2),
-                         save_s=round(self.save_s, 2), model_save_s=round(self.model_save_s, 2),
-                         epochs=round(total / self.spe, 2), steps_per_epoch=self.spe)
-        self.plan["fits"] = self.plan["fits"][-20:] + [{"at_step": step, "at_s": round(self.elapsed(), 1),
+        self.plan.update(fitted=True, total=total, step_s=round(step_s, 4), eval_s=round(self._eval_s(), 2),
+                         save_s=round(self._save_s(), 2), model_save_s=round(self._model_save_s(), 2),
+                         epochs=round(total / self.spe, 2), steps_per_epoch=self.spe,
+                         one_time_s=round(self.one_time_s, 1))
+        self.plan["fits"] = self.plan["fits"][-20:] + [{"at_step": step, "at_s": round(self.clock.elapsed(), 1),
                                                          "step_s": round(step_s, 4), "total": total}]
-        if self.one_time_s is not None:
-            self.plan["one_time_s"] = round(self.one_time_s, 1)
         return total
 
     def due(self) -> bool:
@@ -241,24 +236,35 @@ class Budget:
         return self.since_start >= self.fit_at or (len(self.step_times) >= MIN_TIMED
                                                    and sum(self.step_times) >= TIMED_SHARE * self.budget_s)
 
+    def _rest_s(self, step: int, total: int) -> float:
+        """The epoch ends still due from ``step`` to ``total``, the final save and the exit."""
+        evals = math.ceil(total / self.spe) - step // self.spe
+        return evals * self.per_epoch_s() + self._model_save_s() + self._exit_s()
+
     def off_course(self, step: int, total: int) -> bool:
         """A fitted run whose projected end passes its deadline (at the time of the latest steps, so that a
         slowdown is caught at once), or comes more than 8% of the budget early (at the recent mean): re-fit now
         rather than at the epoch end."""
         if self.kept or not self.plan["fitted"] or not self.step_times:
             return False
-        evals = math.ceil(total / self.spe) - step // self.spe
         latest = list(self.step_times)[-LATEST:]
-        rest = evals * self.per_epoch_s() + (self.model_save_s or self.save_s) + min(EXIT_S, EXIT_SHARE * self.budget_s)
+        rest = self._rest_s(step, total)
         late = time.time() + (total - step) * max(self.step_s(), sum(latest) / len(latest)) + rest
         early = time.time() + (total - step) * self.step_s() + rest
         return late > self.deadline or early < self.deadline - 0.08 * self.budget_s
+
+    def past_deadline(self) -> bool:
+        """The hard stop: one more step, at the latest steps' time, would leave less time than the run's end needs
+        (this epoch's evaluation and saves, the final save, the exit) at their latest measured times."""
+        latest = list(self.step_times)[-LATEST:]
+        next_step = sum(latest) / len(latest) if latest else 0.0
+        return time.time() + next_step + self.per_epoch_s() + self._model_save_s() + self._exit_s() > self.deadline
 
     def describe(self) -> str:
         p = self.plan
         return (f"budget {_fmt(self.budget_s)}: {p['total']} steps ({p['epochs']:g} epochs of {self.spe}) at "
                 f"{p['step_s']:.3f} s/step, {self.per_epoch_s():.1f} s per epoch end (evaluation and saves); "
-                f"{_fmt(self.elapsed())} used so far")
+                f"{_fmt(self.clock.elapsed())} used so far")
 
 
 def process_start_time() -> Optional[float]:

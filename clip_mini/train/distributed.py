@@ -152,6 +152,15 @@ def all_min(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def all_max(value: int | float, device: torch.device) -> int | float:
+    """The largest ``value`` over all ranks (a flag any one rank raises: a re-fit, a stop; a time one rank measured)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64 if isinstance(value, float) else torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return type(value)(t.item())
+
+
 def default_threads(info: DistInfo) -> int:
     """CPU threads per process: the cores shared evenly among this machine's processes."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -10,7 +10,7 @@ import math
 import os
 import time
 import warnings
-from contextlib import ExitStack, contextmanager, redirect_stdout
+from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
 from typing import Optional
 
@@ -22,17 +22,18 @@ from clip_mini.runtime.devices import loader_workers
 from clip_mini.model.loss import ClipLoss, SigLipLoss
 from clip_mini.model.text import report_truncation
 from clip_mini.train import checkpoint as ckpt_io
-from clip_mini.train import init_from, text_cache
+from clip_mini.train import init_from
 from clip_mini.train.accum import FeatureModel, forward_backward
-from clip_mini.train.budget import Budget, feature_pass_check, fill_cache
 from clip_mini.train.build import (TrainError, build_model, check_run_dir, check_train_config, prepare_tokenizer,
                                    resolve_train_precision, warn_config_changes)
-from clip_mini.train.distributed import (all_min, barrier, cleanup, default_threads, gather, init_distributed,
-                                         rank_seed)
+from clip_mini.train.clock import RunClock
+from clip_mini.train.distributed import barrier, cleanup, default_threads, gather, init_distributed, rank_seed
 from clip_mini.eval.validation import evaluate_model
-from clip_mini.train.inputs import build_train_inputs, load_splits, make_image_cache
+from clip_mini.train.inputs import load_splits
+from clip_mini.train.pace import Pace
+from clip_mini.train.prepare import prepare
 from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_table, write_curves
-from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, set_lr, set_train_mode
+from clip_mini.train.optim import build_optimizer, freeze_towers, set_lr, set_train_mode
 
 
 def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] = None,
@@ -63,25 +64,12 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
 
 def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], started: Optional[float]) -> dict:
     # -- set-up: threads, run directory, resume point, the run's precision ------------------------------------
-    main, device = info.is_main, info.device
+    main, device, clock = info.is_main, info.device, RunClock(started)
     torch.set_num_threads(cfg.train.threads or default_threads(info))
-    run, t0 = Path(cfg.train.out_dir), time.time()
-    ckpt_path = ckpt_io.resolve_resume(resume, run)
-    ckpt = ckpt_io.load_checkpoint(ckpt_path) if ckpt_path else None
-    cfg = resolve_train_precision(cfg, device, ckpt, say=main)   # decided once; saved, checkpointed, kept on resume
+    t0 = time.time()
+    cfg, run, ckpt, ckpt_path = _open_run(cfg, info, resume)
     t = cfg.train
-    check_run_dir(run, resuming=ckpt is not None)
     start_dir = init_from.init_dir(cfg) if t.init_from and not ckpt else None   # train.init_from: a model directory
-    # train.budget: the run's plan; a resumed run keeps the one it fitted (its total steps), without fitting again
-    budget = Budget.from_config(cfg, started or t0)
-    kept_total = budget.resume(ckpt.get("budget")) if budget and ckpt else None
-    fitting = budget is not None and kept_total is None
-    if main:
-        run.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run / "config.yaml")
-        if ckpt:
-            print(f"resuming from {ckpt_path} (step {ckpt['step']})")
-            warn_config_changes(ckpt["config"], cfg)
 
     # -- data and tokenizer (trained on the TRAIN captions only; saved once, read by every rank) -------------
     splits = load_splits(cfg, report_dir=run if main else None, progress=main)
@@ -92,160 +80,64 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
             prepare_tokenizer(cfg, run, splits["train"]["caption"].tolist(), ckpt_path)
     barrier()
 
-    # -- model, optimiser, inputs ----------------------------------------------------------------------------
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, run / "tokenizer", load_pretrained=ckpt is None and start_dir is None)
-    if start_dir is not None:
-        init_from.load_weights(model, start_dir)
-    model = model.to(device)
-    frozen = freeze_towers(model)
-    optimizer = build_optimizer(model, t)
-    if ckpt:   # weights before anything reads them (DDP's broadcast, the frozen-feature pass)
-        try:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
-                                          f"differ; see the warning above): {e}") from None
-    # every rank built the same weights from one seed; from here on each rank draws its own dropout, drop-path and
-    # patch-drop masks (rank 0 keeps the stream of a single process); a resume restores each rank's own state below
-    if info.rank:
-        _seed_all(rank_seed(t.seed, info.rank))
-    features = FeatureModel(model)
-    if info.distributed:
-        features = torch.nn.parallel.DistributedDataParallel(
-            features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    if t.compile:
-        from clip_mini.model.layers.compile_pass import CompiledStep
-
-        features = CompiledStep(features)
+    # -- model, optimiser, one-time work, the run's length -----------------------------------------------------
+    model, optimizer, features, scaler, frozen = _build(cfg, info, run, ckpt, ckpt_path, start_dir)
     loss_fn = SigLipLoss() if t.loss == "siglip" else ClipLoss(t.label_smoothing)
     truncated = report_truncation(model.tokenizer, splits["train"]["caption"].astype(str).tolist(),
                                   model.cfg.text.max_length, "train")   # one line if any caption is cut
-    cache = make_image_cache(cfg, model.preprocess, splits)
-    frozen_feats = None   # a locked image tower's outputs, computed once (train.frozen_features)
-    clock = _Clock()
-    if fitting and cache is not None and not t.frozen_features:   # one-time work: counts against the budget
-        if main:
-            with clock("cache_fill"):
-                paths = sorted({p for df in splits.values() for p in df["path"].unique()})
-                fill_cache(cache, paths, model.preprocess, budget.deadline, budget.budget_s, progress=main)
-        barrier()
-    if t.frozen_features:
-        from clip_mini.train import frozen as frozen_io
-
-        with clock("feature_pass"):
-            frozen_feats = frozen_io.prepare(model, cfg, splits, run, cache, device, main, barrier,
-                                             check=feature_pass_check(budget.deadline, budget.budget_s)
-                                             if fitting else None,
-                                             rank=info.rank, world_size=info.world_size)   # views split over ranks
-        inputs = frozen_io.build_frozen_train_inputs(cfg, splits["train"], *frozen_feats["train"], model.tokenizer,
-                                                     model.cfg.text.max_length, info.rank, info.world_size)
-    else:
-        inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer,
-                                    model.cfg.text.max_length, info.rank, info.world_size, cache)
-    if text_cache.wanted(cfg):   # a locked text tower: its rows once per distinct caption, not every step
-        with clock("text_pass"):
-            captions = splits["train"]["caption"].tolist()
-            index, rows = text_cache.load_or_compute_rows(
-                model, captions, t.eval_batch_size * 4, device, t.precision,
-                run / "frozen_features" / "text-tower.safetensors", progress=main, write=main)
-            groups = (text_cache.caption_groups(captions, splits["train"]["image_id"].tolist(), index)
-                      if t.captions_per_image > 1 else None)
-            inputs.collate = text_cache.TextRowCollate(inputs.collate, index, rows, t.captions_per_image, groups)
-    steps_per_epoch = all_min(inputs.steps_per_epoch, device)
-    global_batch = t.batch_size * t.accum_freq * info.world_size
-    if steps_per_epoch == 0:
-        raise TrainError(f"the train split has {splits['train']['image_id'].nunique()} images, fewer than one "
-                         f"batch of {global_batch}; lower train.batch_size or train.accum_freq")
-    total = min(t.epochs * steps_per_epoch, t.max_steps or math.inf)
-    if budget:   # until the first fit, the config's length (the fit falls inside the warmup where it can)
-        budget.spe, budget.one_time_s = steps_per_epoch, budget.elapsed()
-        total = kept_total or total
-
-    def n_epochs() -> int:
-        return math.ceil(total / steps_per_epoch) if budget else t.epochs
+    prep = prepare(cfg, model, splits, run, info, clock, deadline=Pace.deadline(cfg, clock, ckpt))
+    spe, global_batch = prep.steps_per_epoch, t.batch_size * t.accum_freq * info.world_size
+    pace = Pace.build(cfg, spe, clock, ckpt, device, main)
     eval_transform = _eval_transform(model)
+
+    def evaluate(epoch_done: int) -> dict:
+        with clock("evaluation"):
+            return _evaluate(model, splits["val"], eval_transform, prep.cache, cfg, device, log, state, epoch_done,
+                             t0, prep.frozen_feats)
 
     # -- resume or evaluate the untrained model --------------------------------------------------------------
     state = {"step": 0, "epoch": 0, "pos": 0, "best": None, "bad_steps": 0, "epoch_loss": [0.0, 0]}
     log = MetricsLog(run / "metrics.jsonl")
     if ckpt:
-        try:
-            state.update({k: ckpt[k] for k in state})
-        except KeyError as e:
-            raise ckpt_io.CheckpointError(f"{ckpt_path} lacks the training state {e}") from None
-        rng = ckpt_io.rank_rng(ckpt, info.rank, info.world_size)   # this rank's own (CPU and GPU) state
-        if rng is not None:
-            ckpt_io.set_rng_state(rng, device)   # last: building the model above drew from the RNG
-        log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
-        if fitting and log.epochs():   # paused before its fit: the evaluation time the run measured so far
-            budget.eval_s = log.epochs()[-1].get("eval_s", 0.0)
+        log = _restore(ckpt, ckpt_path, state, info, clock, run)
     if main:
         print(f"train: {len(splits['train'])} captions / {splits['train']['image_id'].nunique()} images, "
-              f"{steps_per_epoch} steps/epoch of {global_batch} pairs, {total} steps; "
+              f"{spe} steps/epoch of {global_batch} pairs, {pace.total} steps; "
               f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
         if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
-            with clock("evaluation"):
-                tick = time.perf_counter()
-                _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, 0, t0, frozen_feats)
-                if budget:
-                    budget.eval_s = time.perf_counter() - tick
+            evaluate(0)
     barrier()   # the other ranks wait here (long-wait group), not in the first step's all_gather
 
     saved_at = [-1]   # step of the last checkpoint written by this process
 
-    @clock.timed("checkpoints")
-    def save_state() -> float:
-        """Write a checkpoint; returns its seconds."""
-        tick = time.perf_counter()
-        saved_at[0] = state["step"]
-        rngs = gather(ckpt_io.rng_state(device))   # every rank's own random state, for each to resume its own
-        if main:
-            ckpt_io.save_checkpoint(run / "checkpoints", {
-                **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": rngs[0], "rng_ranks": rngs, "config": cfg.to_dict(), "total_steps": total,
-                **({"budget": budget.state} if budget else {}),
-                **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}, t.keep_checkpoints)
-        barrier()   # a slow write on rank 0 is waited for here, not in the next step's collectives
-        seconds = time.perf_counter() - tick
-        if budget:
-            budget.save_s = seconds
-        return seconds
-
-    def refit(first: bool = False, latest: bool = False) -> None:
-        """Fit the step count to the time left (every rank gets the smallest fit); say so when it changes."""
-        nonlocal total
-        # at least one more step: the step just taken had its learning rate from the old plan, and the schedule's
-        # last step must run at the minimum
-        new = max(all_min(budget.fit(state["step"], latest), device), state["step"] + 1)
-        budget.plan["total"] = new
-        if main and (first or abs(new - total) > 0.05 * total):   # a small correction goes to the plan only
-            tqdm.write(("budget: " + budget.describe()) if first else
-                       f"budget: re-fitted at step {state['step']}: {new} steps (was {total}), "
-                       f"{budget.plan['step_s']:.3f} s/step")
-        total = new
+    def save_state() -> None:
+        """Write a checkpoint (every rank's random state, the plan) and wait for rank 0's write."""
+        with clock("checkpoints"):
+            saved_at[0] = state["step"]
+            rngs = gather(ckpt_io.rng_state(device))   # every rank's own random state, for each to resume its own
+            if main:
+                ckpt_io.save_checkpoint(run / "checkpoints", {
+                    **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "rng": rngs[0], "rng_ranks": rngs, "config": cfg.to_dict(), "total_steps": pace.total,
+                    **pace.state, **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})},
+                    t.keep_checkpoints)
+            barrier()   # a slow write on rank 0 is waited for here, not in the next step's collectives
 
     params = [p for p in model.parameters() if p.requires_grad]
-    # fp16 needs loss scaling (its range underflows small gradients); disabled, the scaler passes everything through
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    if ckpt and ckpt.get("scaler"):
-        scaler.load_state_dict(ckpt["scaler"])
-    if fitting and not ckpt:   # one checkpoint write timed before the fit (and a state to resume from)
+    if pace.fitting and not ckpt:   # one checkpoint write timed before the fit (and a state to resume from)
         save_state()
     stopped = False
-    while state["epoch"] < n_epochs() and state["step"] < total and not stopped:
+    while state["epoch"] < pace.epochs() and state["step"] < pace.total and not stopped:
         epoch = state["epoch"]
         set_train_mode(model, True)
-        bar = tqdm(total=steps_per_epoch, initial=state["pos"], desc=f"epoch {epoch + 1}/{n_epochs()}",
+        bar = tqdm(total=spe, initial=state["pos"], desc=f"epoch {epoch + 1}/{pace.epochs()}",
                    disable=not main, dynamic_ncols=True, leave=True)
         window = _Window()
-        if budget:
-            budget.steps_started()
-        for micro in inputs.loader(epoch, state["pos"]):
+        clock.start_laps()
+        for micro in prep.inputs.loader(epoch, state["pos"]):
             clock.add("data_wait", window.data_ready())
-            # set lr: warmup + cosine, a pure function of the step
-            lr = set_lr(optimizer, lr_factor(state["step"], total, t.warmup_steps, t.min_lr_ratio))
+            # set lr: warmup + cosine (its anchors move only when a budget re-fits)
+            lr = set_lr(optimizer, pace.factor(state["step"]))
             # forward / backward over the whole accumulated (and, distributed, global) batch
             micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micro]
             loss = forward_backward(features, micro, loss_fn, device, t.precision, scaler)
@@ -264,86 +156,142 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
             state["pos"] += 1
-            if fitting:   # time the step; fit once the first steps are timed, re-fit when off course
-                budget.step_done()
-                if not budget.plan["fitted"] and all_min(int(budget.due()), device):   # every rank agrees
-                    refit(first=True)
-                elif budget.plan["fitted"] and state["step"] < total and \
-                        all_min(int(budget.off_course(state["step"], total)), device):
-                    refit(latest=True)
-            # log
             clock.add("steps", window.step_done(loss.item(), global_batch))
-            if main and (state["step"] % t.log_every == 0 or state["pos"] == steps_per_epoch
-                         or state["step"] == total):   # the last step's row too: the schedule's end
+            # pace: fit, re-fit or stop at the deadline (a budget's; nothing without one)
+            pace.after_step(state["step"], clock.lap())
+            # log
+            if main and (state["step"] % t.log_every == 0 or state["pos"] == spe
+                         or state["step"] == pace.total):   # the last step's row too: the schedule's end
                 row = window.row(state, lr, model.scale().item(), grad_norm.item())
                 bar.set_postfix(loss="nan" if row["loss"] is None else f"{row['loss']:.3f}", lr=f"{lr:.1e}",
                                 scale=f"{row['logit_scale']:.1f}", pairs_s=f"{row['pairs_per_s']:.0f}")
                 log.add(row)
                 log.flush()
             bar.update(1)
-            # checkpoint; pause
+            # checkpoint; pause; stop
             if t.checkpoint_every and state["step"] % t.checkpoint_every == 0:
-                seconds = save_state()
+                save_state()
                 window.skip_wait()   # the checkpoint's time is not a wait for data
-                if budget:
-                    budget.exclude(seconds)   # nor a step's: the fit counts checkpoints apart
-            if stop_after is not None and stop_after <= state["step"] < total:
+            if stop_after is not None and stop_after <= state["step"] < pace.total:
                 stopped = True
                 break
-            if state["step"] >= total:
+            if state["step"] >= pace.total:
                 break
         bar.close()
         if stopped:
             break
         # -- end of epoch: evaluate, keep the best model, checkpoint ---------------------------------------------
         if main:
-            with clock("evaluation"):
-                val = _evaluate(model, splits["val"], eval_transform, cache, cfg, device, log, state, epoch + 1, t0,
-                                frozen_feats)
-            if budget:
-                budget.eval_s = log.epochs()[-1]["eval_s"]
+            val = evaluate(epoch + 1)
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]
-                with clock("checkpoints"):
-                    tick = time.perf_counter()
+                with clock("model_save"):
                     model.save_pretrained(run / "best",
                                           extra={"trained": _provenance(state["step"], epoch + 1, val, t)})
-                    if budget:
-                        budget.model_save_s = time.perf_counter() - tick
         barrier()
         set_train_mode(model, True)
         state.update(epoch=epoch + 1, pos=0, epoch_loss=[0.0, 0])
-        if fitting and budget.step_times and state["step"] < total:   # the measured epoch end: fit again
-            refit(first=not budget.plan["fitted"])
+        pace.after_epoch(state["step"])   # the measured epoch end: fit again
         save_state()
 
     # -- finish: final model directory and summary (or, when pausing, just the checkpoint) --------------------
-    if stopped:
-        if saved_at[0] != state["step"]:
-            save_state()
-    elif main:
-        trained = _provenance(state["step"], state["epoch"], _last_val(log), t)
-        with clock("checkpoints"):
-            model.save_pretrained(run / "final", extra={"trained": trained})
-        print(summary_table(log.rows, t.best_metric))
-        best = "none" if state["best"] is None else f"{state['best']:.4g}"
-        print(f"best {t.best_metric} = {best}; model directories: {run / 'best'}, {run / 'final'} "
-              f"({time.time() - t0:.0f} s)")
-        if budget:
-            print(f"budget {budget.budget_s:.0f} s: {budget.elapsed():.0f} s used since the process started, "
-                  f"{state['step']} steps ({state['step'] / steps_per_epoch:.2f} epochs) at "
-                  f"{budget.plan.get('step_s', float('nan')):.3f} s/step")
+    if stopped and saved_at[0] != state["step"]:
+        save_state()
+    if main and not stopped:
+        with clock("model_save"):
+            model.save_pretrained(run / "final", extra={"trained": _provenance(state["step"], state["epoch"],
+                                                                               _last_val(log), t)})
     barrier()
     result = {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
               "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
               "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0),
-              "precision": t.precision,
-              **({"budget": budget.state} if budget else {})}
-    if main:   # where this process's minutes went, for the user and benchmarks/speed/bench_e2e.py (a file a process)
-        from clip_mini.fileio.atomic import atomic_write_json
-
-        atomic_write_json(run / "summary.json", {k: v for k, v in result.items() if k != "run_dir"})
+              "precision": t.precision, **pace.state}
+    if main:
+        _report(result, log, pace.summary(state["step"]))
     return result
+
+
+def _report(result: dict, log: MetricsLog, budget_line: Optional[str]) -> None:
+    """The closing summary (a finished run), and ``summary.json``: where this process's minutes went, for the user
+    and ``benchmarks/speed/bench_e2e.py``."""
+    from clip_mini.fileio.atomic import atomic_write_json
+
+    if not result["stopped"]:
+        run, best = Path(result["run_dir"]), result["best_value"]
+        print(summary_table(log.rows, result["best_metric"]))
+        print(f"best {result['best_metric']} = {'none' if best is None else f'{best:.4g}'}; model directories: "
+              f"{run / 'best'}, {run / 'final'} ({result['time_s']:.0f} s)")
+        print(budget_line or "", end="")
+    atomic_write_json(Path(result["run_dir"]) / "summary.json", {k: v for k, v in result.items() if k != "run_dir"})
+
+
+def _open_run(cfg: Config, info, resume: Optional[str]) -> tuple[Config, Path, Optional[dict], Optional[Path]]:
+    """The run directory and the checkpoint to resume from; the run's precision decided (and kept on resume), its
+    resolved config saved."""
+    run = Path(cfg.train.out_dir)
+    ckpt_path = ckpt_io.resolve_resume(resume, run)
+    ckpt = ckpt_io.load_checkpoint(ckpt_path) if ckpt_path else None
+    cfg = resolve_train_precision(cfg, info.device, ckpt, say=info.is_main)
+    check_run_dir(run, resuming=ckpt is not None)
+    if info.is_main:
+        run.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run / "config.yaml")
+        if ckpt:
+            print(f"resuming from {ckpt_path} (step {ckpt['step']})")
+            warn_config_changes(ckpt["config"], cfg)
+    return cfg, run, ckpt, ckpt_path
+
+
+def _restore(ckpt: dict, ckpt_path, state: dict, info, clock: RunClock, run: Path) -> MetricsLog:
+    """A resumed run's training state, this rank's random state and the metrics rows up to the checkpoint."""
+    try:
+        state.update({k: ckpt[k] for k in state})
+    except KeyError as e:
+        raise ckpt_io.CheckpointError(f"{ckpt_path} lacks the training state {e}") from None
+    rng = ckpt_io.rank_rng(ckpt, info.rank, info.world_size)   # this rank's own (CPU and GPU) state
+    if rng is not None:
+        ckpt_io.set_rng_state(rng, info.device)   # last: building the model drew from the RNG
+    log = MetricsLog.resume(run / "metrics.jsonl", state["step"], state["epoch"])
+    if log.epochs():   # the evaluation time the run measured so far, until this process measures its own
+        clock.latest.setdefault("evaluation", log.epochs()[-1].get("eval_s", 0.0))
+    return log
+
+
+def _build(cfg: Config, info, run: Path, ckpt: Optional[dict], ckpt_path, start_dir):
+    """The model (pretrained, ``init_from`` or a checkpoint's weights), its optimiser, the features module the
+    step runs (DDP-wrapped, compiled as asked), the fp16 loss scaler and the names of what is frozen."""
+    t, device = cfg.train, info.device
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, run / "tokenizer", load_pretrained=ckpt is None and start_dir is None)
+    if start_dir is not None:
+        init_from.load_weights(model, start_dir)
+    model = model.to(device)
+    frozen = freeze_towers(model)
+    optimizer = build_optimizer(model, t)
+    # fp16 needs loss scaling (its range underflows small gradients); disabled, the scaler passes everything through
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    if ckpt:   # weights before anything reads them (DDP's broadcast, the frozen-feature pass)
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            if ckpt.get("scaler"):
+                scaler.load_state_dict(ckpt["scaler"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
+                                          f"differ; see the warning above): {e}") from None
+    # every rank built the same weights from one seed; from here on each rank draws its own dropout, drop-path and
+    # patch-drop masks (rank 0 keeps the stream of a single process); a resume restores each rank's own state later
+    if info.rank:
+        _seed_all(rank_seed(t.seed, info.rank))
+    features = FeatureModel(model)
+    if info.distributed:
+        features = torch.nn.parallel.DistributedDataParallel(
+            features, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    if t.compile:
+        from clip_mini.model.layers.compile_pass import CompiledStep
+
+        features = CompiledStep(features)
+    return model, optimizer, features, scaler, frozen
 
 
 # -- helpers --------------------------------------------------------------------------------------------------
@@ -386,40 +334,6 @@ class _Window:
                "pairs_per_s": self.pairs / elapsed, "data_wait": self.wait / elapsed}
         self._reset()
         return row
-
-
-class _Clock:
-    """Seconds of this process's run by stage, for ``train()``'s ``time_breakdown``: where a run's minutes go."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    def add(self, stage: str, seconds: float) -> None:
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
-
-    @contextmanager
-    def __call__(self, stage: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(stage, time.perf_counter() - start)
-
-    def timed(self, stage: str):
-        """Decorator form of ``clock(stage)``."""
-        def wrap(fn):
-            def timed_fn(*args, **kwargs):
-                with self(stage):
-                    return fn(*args, **kwargs)
-            return timed_fn
-        return wrap
-
-    def breakdown(self, total_s: float) -> dict[str, float]:
-        """Stages plus ``other`` (set-up, data loading before the first step, logging) summing to ``total_s``."""
-        out = {f"{k}_s": v for k, v in self.seconds.items()}
-        out["other_s"] = total_s - sum(self.seconds.values())
-        out["total_s"] = total_s
-        return out
 
 
 def _seed_all(seed: int) -> None:

@@ -1,4 +1,5 @@
-"""Optimiser set-up: tower freezing (LiT-style), AdamW parameter groups, warmup + cosine learning-rate schedule.
+"""Optimiser set-up: tower freezing (LiT-style), AdamW parameter groups, the learning rate set from the schedule
+(``train/schedule.py``).
 
 Groups: image tower (only its last ``model.vision.trainable_blocks`` blocks when set), text tower and heads (projection heads + ``logit_scale``) each get their own learning rate
 (``train.lr_image`` / ``lr_text`` / ``lr_head``, falling back to ``train.lr``), and each is split into a decayed
@@ -7,12 +8,12 @@ weight-decayed: decay would pull them towards zero, which has no regularising me
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
 
 from clip_mini.config import TrainConfig
+from clip_mini.train.schedule import lr_factor  # noqa: F401  (the fixed-length schedule, imported from here too)
 
 # Parameter names (substrings) that are never decayed even when they are matrices.
 NO_DECAY_NAMES = ("cls_token", "pos_embed", "position_embeddings", "logit_scale")
@@ -97,19 +98,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     # fused: one kernel per group instead of a chain of foreach ops, a cheaper step on CPU; bitwise deterministic
     # as the foreach path is
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=True)
-
-
-def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> float:
-    """Multiplier of the base learning rate at ``step`` (0-based): linear warmup, then cosine to ``min_ratio``.
-
-    Warmup reaches 1.0 on step ``warmup_steps - 1``; the cosine then decays to ``min_ratio`` at
-    ``total_steps - 1``. A pure function of the step, so the schedule needs no state to resume.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, total_steps - 1 - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, factor: float) -> float:
