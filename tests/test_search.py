@@ -247,3 +247,83 @@ def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_pa
     assert ids[0, :41].tolist() == [7] + list(range(1000, 1040))
     with pytest.raises(ValueError, match="unknown exact-search kernel"):
         exact_search(mm, q, kernel="fp16")
+
+
+# -- ties: every exact kernel, and the server's float32 copy, rank equal scores by row id -------------------------
+def _served(rows, q, k):
+    """``clip-mini serve``'s exact search over its float32 copy of a generation's rows."""
+    from clip_mini.serve.generations import _search_rows32
+
+    return _search_rows32(np.asarray(rows, np.float32), q, k)
+
+
+def _reference(rows, q, k):
+    """The float32 top-K of the rows as stored, best first, ties by row id (float64 products rounded once, so equal
+    rows score equally; a float32 BLAS product may round them differently by where they fall in its blocks)."""
+    sims = (q.astype(np.float64) @ np.asarray(rows, np.float32).astype(np.float64).T).astype(np.float32)
+    order = np.lexsort((np.broadcast_to(np.arange(sims.shape[1]), sims.shape), -sims), axis=1)[:, :k]
+    return np.take_along_axis(sims, order, 1), order
+
+
+def _stored(emb: np.ndarray, storage: str):
+    from clip_mini.retrieval.rows import BF16Rows, encode
+
+    return BF16Rows(encode(emb, "bfloat16")) if storage == "bfloat16" else emb.astype(storage)
+
+
+def _scan_available() -> bool:
+    from clip_mini.retrieval import search as S
+
+    return S.faiss_scan_available()
+
+
+def _torch_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+TIE_KERNELS = ["numpy", "onnxruntime", "auto", "served",
+               pytest.param("torch", marks=pytest.mark.skipif(not _torch_installed(), reason="torch not installed")),
+               pytest.param("faiss", marks=pytest.mark.skipif(not _scan_available(), reason="faiss >= 1.11 missing"))]
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("kernel", TIE_KERNELS)
+def test_every_kernel_ranks_ties_by_row_id(kernel, storage):
+    """100 identical rows give rows 0-4 for k=5, rows tied every 5th give 0, 5, 10, ..., and clustered near-ties
+    give the brute-force top-K, from every exact kernel (``auto`` included: numpy for small or float32 matrices)
+    and from the server's float32 copy, for one query and for several."""
+    if storage == "float32" and kernel in ("onnxruntime", "torch", "faiss"):
+        pytest.skip(f"the {kernel} kernel reads float16 or bfloat16 rows")
+
+    def search(rows, q, k):
+        return _served(rows, q, k) if kernel == "served" else exact_search(rows, q, k=k, kernel=kernel)
+
+    rng = np.random.default_rng(7)
+    d = 24
+    one = _unit(rng, 1, d)
+    scores, ids = search(_stored(np.repeat(one, 100, axis=0), storage), one, 5)
+    assert ids.tolist() == [[0, 1, 2, 3, 4]] and len(set(scores[0].tolist())) == 1
+    emb = _unit(rng, 300, d)
+    emb[::5] = one
+    q = np.concatenate([one, _unit(rng, 5, d)])
+    for nq in (1, 6):
+        scores, ids = search(_stored(emb, storage), q[:nq], 5)
+        assert ids[0].tolist() == [0, 5, 10, 15, 20]
+    centre = _unit(rng, 1, d)[0]
+    emb = _unit(rng, 3000, d)
+    emb[::3] = centre + 0.01 * rng.standard_normal((1000, d))   # a third within ~0.01 of each other
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    emb[1500:1540] = emb[9]   # 41 identical rows
+    rows = _stored(emb, storage)
+    q = np.concatenate([np.asarray(rows[9:10], np.float32), centre[None], _unit(rng, 4, d)])
+    for nq in (1, 6):
+        for k in (1, 5, 50):
+            scores, ids = search(rows, q[:nq], k)
+            ref_s, ref_i = _reference(rows, q[:nq], k)
+            np.testing.assert_array_equal(ids, ref_i)
+            np.testing.assert_array_equal(scores, ref_s)
+    assert ids[0, :41].tolist() == [9] + list(range(1500, 1540))
+    scores, ids = search(_stored(np.zeros((0, d), np.float32), storage), q, 5)   # an empty index
+    assert scores.shape == ids.shape == (6, 0)

@@ -127,6 +127,8 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     k = min(k, n)
     if kernel not in KERNELS:
         raise ValueError(f"unknown exact-search kernel {kernel!r} (use {', '.join(KERNELS)})")
+    if n == 0:   # an empty index: no results, from every kernel
+        return np.zeros((len(queries), 0), np.float32), np.zeros((len(queries), 0), np.int64)
     bf16 = isinstance(embeddings, BF16Rows)
     if kernel == "auto":
         kernel = auto_kernel(n, len(queries), bf16 or embeddings.dtype == np.float16)
@@ -136,31 +138,86 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
         return _exact_faiss(embeddings, queries, k)
     if kernel == "onnxruntime":
         return _exact_ort(embeddings, queries, k)
+    return _exact_numpy(embeddings, queries, k, chunk_rows)
+
+
+def _exact_numpy(embeddings, queries: np.ndarray, k: int, chunk_rows: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """float32 scores chunk by chunk from one BLAS product each, then the same short list and exact re-scoring as
+    the onnxruntime kernel (``_floor_and_rescore``): a BLAS product may round equal rows differently by where they
+    fall in its blocks, so its own order is not the float32 top-K with ties by row id."""
+    dim = embeddings.shape[1]
     chunk_rows = max(chunk_rows or (1 << 21) // dim, 1)
+    # float16, bfloat16 and float32 rows widen to float32 exactly: only the accumulation rounds; wider rows are
+    # rounded to float32 once on the way in
+    exact = isinstance(embeddings, BF16Rows) or embeddings.dtype in (np.float16, np.float32)
+    margin = _margin(0.0, 0, dim) if exact else _margin(2.0 ** -24, 1, dim)
+    return _floor_and_rescore(embeddings, queries, k, lambda q: _numpy_chunks(embeddings, q, chunk_rows), margin)
+
+
+def _numpy_chunks(embeddings, queries: np.ndarray, chunk_rows: int):
+    """(start, scores of rows start.. for every query) chunk by chunk; the scores array is reused. float32 rows in
+    memory are multiplied where they lie; others are converted into a reused cache-sized buffer first."""
+    n, dim = embeddings.shape
+    step = min(chunk_rows, n)
+    bf16 = isinstance(embeddings, BF16Rows)
+    in_place = not bf16 and isinstance(embeddings, np.ndarray) and embeddings.dtype == np.float32
     # Buffers reused for every chunk: fresh arrays per chunk cost page faults that dominate the arithmetic.
-    block = np.empty((min(chunk_rows, n), dim), np.float32)
-    sims = np.empty((len(queries), min(chunk_rows, n)), np.float32)
-    best_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
-    best_i = np.full((len(queries), k), -1, dtype=np.int64)
-    for start in range(0, n, chunk_rows):
-        c = min(chunk_rows, n - start)
-        if bf16:
-            bf16_bits_to_f32(embeddings.bits[start:start + c], out=block[:c])
+    block = None if in_place else np.empty((step, dim), np.float32)
+    sims = np.empty((len(queries), step), np.float32)
+    for start in range(0, n, step):
+        c = min(step, n - start)
+        if in_place:
+            rows = embeddings[start:start + c]
+        elif bf16:
+            rows = bf16_bits_to_f32(embeddings.bits[start:start + c], out=block[:c])
         else:
-            np.copyto(block[:c], embeddings[start:start + c], casting="unsafe")   # float16 -> float32
-        np.matmul(queries, block[:c].T, out=sims[:, :c])  # (Q, c)
-        _merge_chunk(best_s, best_i, sims[:, :c], start)
-    return _sort_topk(best_s, best_i)
+            rows = block[:c]
+            np.copyto(rows, embeddings[start:start + c], casting="unsafe")   # float16 -> float32
+        np.matmul(queries, rows.T, out=sims[:, :c])  # (Q, c)
+        yield start, sims[:, :c]
+
+
+def _floor_and_rescore(embeddings, queries: np.ndarray, k: int, chunks, margin: float
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """The exact top-K from approximate float32 scores: ``chunks(queries)`` yields (start, (Q, c) scores of rows
+    start..start + c); each query keeps its top ``k + 32``, and every row within ``margin`` (scaled by the query's
+    length where it is above 1) of the approximate K-th best is re-scored exactly. A query whose short list ends
+    above that floor (many near-ties, more than the list holds) gets a second pass collecting every row above it,
+    so no row tied with the K-th best is lost, whatever the order the chunks' products put them in."""
+    n = len(embeddings)
+    keep = min(n, k + _SCAN_EXTRA)
+    best_s = np.full((len(queries), keep), -np.inf, dtype=np.float32)
+    best_i = np.full((len(queries), keep), -1, dtype=np.int64)
+    for start, sims in chunks(queries):
+        _merge_chunk(best_s, best_i, sims, start)
+    # the bound is on sum |e_i q_i| <= |e| |q|: unit rows, and queries whose length may be above 1
+    scale = np.maximum(np.linalg.norm(queries.astype(np.float64), axis=1), 1.0)
+    floor = (-np.sort(-best_s, axis=1)[:, k - 1] - margin * scale).astype(np.float32)
+    short = (best_s >= floor[:, None]) & (best_i >= 0)
+    cand_q, cand_i = [np.nonzero(short)[0]], [best_i[short]]
+    again = np.flatnonzero((best_s.min(axis=1) >= floor) & (keep < n))
+    if len(again):
+        for start, sims in chunks(queries[again]):
+            qs, cols = np.nonzero(sims >= floor[again, None])
+            cand_q.append(again[qs])
+            cand_i.append(cols.astype(np.int64) + start)
+    return _rescore(embeddings, queries, np.concatenate(cand_q), np.concatenate(cand_i), k)
 
 
 def _merge_chunk(best_s: np.ndarray, best_i: np.ndarray, sims: np.ndarray, offset: int) -> None:
-    """Fold a chunk of scores into the running top-K (in place); only scores beating the K-th best are looked at."""
+    """Fold a chunk of scores into the running top-K (in place); only scores beating the K-th best are looked at.
+
+    Equal scores may go either way: the callers' floor and re-scoring decide ties, by row id."""
+    k = best_s.shape[1]
+    if sims.shape[1] >= k and (best_i < 0).all():   # the first chunk: one partition per query, no index lists
+        top = np.argpartition(sims, sims.shape[1] - k, axis=1)[:, -k:]
+        best_s[:], best_i[:] = np.take_along_axis(sims, top, 1), top + offset
+        return
     kth = best_s.min(axis=1)  # (Q,)
     rows, cols = np.nonzero(sims > kth[:, None])
     if rows.size == 0:
         return
     bounds = np.searchsorted(rows, np.arange(len(best_s) + 1))
-    k = best_s.shape[1]
     for q in np.flatnonzero(np.diff(bounds)):
         c = cols[bounds[q]:bounds[q + 1]]
         if len(c) > 8 * k:   # many candidates (first chunks): shortlist them before concatenating
@@ -244,23 +301,9 @@ def _exact_ort(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.
     bf16 = isinstance(embeddings, BF16Rows)
     if not bf16 and embeddings.dtype != np.float16:
         raise ValueError(f"the onnxruntime exact-search kernel reads float16 or bfloat16 rows, not {embeddings.dtype}")
-    n, dim = embeddings.shape
-    keep = min(n, k + _SCAN_EXTRA)
-    best_s = np.full((len(queries), keep), -np.inf, dtype=np.float32)
-    best_i = np.full((len(queries), keep), -1, dtype=np.int64)
-    for start, sims in _ort_chunks(embeddings, queries, bf16):
-        _merge_chunk(best_s, best_i, sims, start)
     # 16-bit rows widen to float32 exactly and the query is float32: only the accumulation rounds
-    floor = -np.sort(-best_s, axis=1)[:, k - 1] - _margin(0.0, 0, dim)
-    short = (best_s >= floor[:, None]) & (best_i >= 0)
-    cand_q, cand_i = [np.nonzero(short)[0]], [best_i[short]]
-    again = np.flatnonzero((best_s.min(axis=1) >= floor) & (keep < n))
-    if len(again):
-        for start, sims in _ort_chunks(embeddings, queries[again], bf16):
-            qs, cols = np.nonzero(sims >= floor[again, None])
-            cand_q.append(again[qs])
-            cand_i.append(cols.astype(np.int64) + start)
-    return _rescore(embeddings, queries, np.concatenate(cand_q), np.concatenate(cand_i), k)
+    return _floor_and_rescore(embeddings, queries, k, lambda q: _ort_chunks(embeddings, q, bf16),
+                              _margin(0.0, 0, embeddings.shape[1]))
 
 
 def _ort_chunks(embeddings, queries: np.ndarray, bf16: bool):
