@@ -13,6 +13,9 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
 RETRIEVAL_ORDER = ["rows", "search", "items", "faiss_auto", "format", "dupes", "files", "reader", "build", "shards",
                    "wds_source", "ray_index", "preprocess_np", "query", "engine", "index"]
+# retrieval/search/: the modules of the search package, each importing only those before it
+SEARCH_ORDER = ["bounds", "shortlist", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
+                "approximate", "dispatch"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {
     "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config"],
@@ -123,12 +126,32 @@ def test_root_holds_at_most_eight_modules():
     assert len(root) <= 8, root
 
 
+def _ordered_imports(package: str, order: list[str]):
+    """(module, imported module, the modules above it) for each import within ``package`` (a module of ``order``
+    may be a package: its files count as it, and importing any of them counts as importing it)."""
+    folder = PKG.joinpath(*package.split(".")[1:])
+    for i, name in enumerate(order):
+        files = sorted((folder / name).glob("*.py")) if (folder / name).is_dir() else [folder / f"{name}.py"]
+        for path in files:
+            for imp in _imports(path):
+                if imp.startswith(f"{package}.") and not imp.startswith(f"{package}.{name}."):
+                    yield path, imp, {f"{package}.{m}" for m in order[:i]}
+
+
+def _is_above(imp: str, above: set[str]) -> bool:
+    return any(imp == m or imp.startswith(f"{m}.") for m in above)
+
+
 def test_retrieval_imports_only_modules_above_it():
-    for i, name in enumerate(RETRIEVAL_ORDER):
-        allowed = {f"clip_mini.retrieval.{m}" for m in RETRIEVAL_ORDER[:i]}
-        for imp in _imports(PKG / "retrieval" / f"{name}.py"):
-            if imp.startswith("clip_mini.retrieval."):
-                assert imp in allowed, f"retrieval/{name}.py imports {imp}, which is not above it"
+    for path, imp, above in _ordered_imports("clip_mini.retrieval", RETRIEVAL_ORDER):
+        assert _is_above(imp, above), f"{path.relative_to(PKG)} imports {imp}, which is not above it"
+
+
+def test_search_modules_import_only_modules_above_them():
+    package = "clip_mini.retrieval.search"
+    assert sorted(p.stem for p in (PKG / "retrieval/search").glob("*.py")) == sorted(SEARCH_ORDER + ["__init__"])
+    for path, imp, above in _ordered_imports(package, SEARCH_ORDER + ["__init__"]):
+        assert _is_above(imp, above), f"{path.relative_to(PKG)} imports {imp}, which is not above it"
 
 
 def test_nothing_outside_train_and_cli_imports_the_trainer():
@@ -144,9 +167,12 @@ def test_leaves_stay_leaves(leaf):
     assert _imports(PKG / leaf) <= {"clip_mini.fileio.atomic"}, f"{leaf} should import nothing but the file helpers"
 
 
-def test_search_back_ends_read_rows_only():
+@pytest.mark.parametrize("module", SEARCH_ORDER + ["__init__"])
+def test_search_back_ends_read_rows_only(module):
     # the search back ends read stored rows (float16 or bfloat16) and nothing else of the package
-    assert _imports(PKG / "retrieval/search.py") <= {"clip_mini.retrieval.rows", "clip_mini.fileio.atomic"}
+    outside = {m for m in _imports(PKG / "retrieval/search" / f"{module}.py")
+               if not m.startswith("clip_mini.retrieval.search")}
+    assert outside <= {"clip_mini.retrieval.rows", "clip_mini.fileio.atomic"}, module
 
 
 def test_command_modules_do_not_import_the_parser():

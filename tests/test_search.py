@@ -191,14 +191,14 @@ def test_grouped_many_query_pass_is_exact(storage, n, implicit, monkeypatch):
     k asked for (k=40 still fits; n=150: fewer groups than k) must still give the exact top-K, with float16 rows
     converted to bf16 by torch or (``implicit``, where the CPU has native bf16) rounded inside oneDNN's product."""
     pytest.importorskip("torch")
-    from clip_mini.retrieval import search as S
     from clip_mini.retrieval.rows import BF16Rows, encode
+    from clip_mini.retrieval.search import exact_torch as T
 
-    monkeypatch.setattr(S, "_BF16_CHUNK", 200)        # several chunks, not whole groups (rounded down to 192)
-    monkeypatch.setattr(S, "_BF16_ROWS_CHUNK", 200)
-    monkeypatch.setattr(S, "_IMPLICIT_CHUNK", 200)
-    monkeypatch.setattr(S, "_SUPER", 4)               # 47 super-groups of 4 groups, the last one padded
-    monkeypatch.setattr(S, "_IMPLICIT_BF16", implicit)
+    monkeypatch.setattr(T, "_BF16_CHUNK", 200)        # several chunks, not whole groups (rounded down to 192)
+    monkeypatch.setattr(T, "_BF16_ROWS_CHUNK", 200)
+    monkeypatch.setattr(T, "_IMPLICIT_CHUNK", 200)
+    monkeypatch.setattr(T, "_SUPER", 4)               # 47 super-groups of 4 groups, the last one padded
+    monkeypatch.setattr(T, "_IMPLICIT_BF16", implicit)
     rng = np.random.default_rng(11)
     centre = _unit(rng, 1, 32)[0]
     emb = _unit(rng, n, 32)
@@ -225,13 +225,13 @@ def test_grouped_many_query_pass_is_exact(storage, n, implicit, monkeypatch):
 @pytest.mark.parametrize("n_queries", [1, 3, 9])
 def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_path):
     pytest.importorskip("torch")
-    from clip_mini.retrieval import search as S
+    from clip_mini.retrieval.search import exact_torch as T
 
     # Small chunks so several chunks, their merge and the near-tie fallback all run on a small matrix.
-    monkeypatch.setattr(S, "_BIG_CHUNK", 700)
-    monkeypatch.setattr(S, "_BF16_CHUNK", 300)   # not whole groups of _GROUP rows: rounded down
-    monkeypatch.setattr(S, "_IMPLICIT_CHUNK", 300)
-    monkeypatch.setattr(S, "_SUPER", 3)          # the 41 tied rows below fill one super-group's groups
+    monkeypatch.setattr(T, "_BIG_CHUNK", 700)
+    monkeypatch.setattr(T, "_BF16_CHUNK", 300)   # not whole groups of _GROUP rows: rounded down
+    monkeypatch.setattr(T, "_IMPLICIT_CHUNK", 300)
+    monkeypatch.setattr(T, "_SUPER", 3)          # the 41 tied rows below fill one super-group's groups
     rng = np.random.default_rng(5)
     emb = _unit(rng, 3000, 24)
     emb[1000:1040] = emb[7]   # 41 identical rows: ties broken by row id, and one chunk holds more near-ties
