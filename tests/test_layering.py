@@ -1,9 +1,11 @@
 """Imports run one way, read from the source (AST), imports inside functions included:
 
-    cli, serve  ->  retrieval, train, eval  ->  model, data, pictures  ->  config, errors, version, runtime, fileio
+    cli, serve  ->  retrieval, train, eval  ->  embed  ->  features  ->  model, data, pictures
+                ->  config, errors, version, runtime, fileio
 
-No import circles; the model never imports retrieval, serve, the CLI, training or evaluation; nothing in the
-package imports the package root (which is the public API for users); the root holds at most 8 modules.
+No import circles; the model never imports retrieval, serve, the CLI, training or evaluation; embed and eval never
+import retrieval (what they share with it lives in features); nothing in the package imports the package root
+(which is the public API for users); the root holds at most 8 modules.
 """
 import ast
 from pathlib import Path
@@ -18,14 +20,17 @@ SEARCH_ORDER = ["bounds", "shortlist", "faiss_lib", "exact_numpy", "exact_ort", 
                 "approximate", "dispatch"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {
-    "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config"],
-    "runtime": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "embed"],
-    "config": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed"],
-    "model": ["train", "eval", "retrieval", "serve", "cli", "embed", "pictures"],
-    "data": ["model", "train", "eval", "retrieval", "serve", "cli", "embed"],
-    "pictures": ["model", "train", "eval", "retrieval", "serve", "cli", "embed"],
-    "embed": ["train", "eval", "serve", "cli"],
-    "eval": ["train", "serve", "cli"],
+    "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config",
+               "features"],
+    "runtime": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "embed", "features"],
+    "config": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed",
+               "features"],
+    "model": ["train", "eval", "retrieval", "serve", "cli", "embed", "pictures", "features"],
+    "data": ["model", "train", "eval", "retrieval", "serve", "cli", "embed", "features"],
+    "pictures": ["model", "train", "eval", "retrieval", "serve", "cli", "embed", "features"],
+    "features": ["train", "eval", "retrieval", "serve", "cli", "embed"],
+    "embed": ["train", "eval", "retrieval", "serve", "cli"],
+    "eval": ["train", "retrieval", "serve", "cli"],
     "train": ["retrieval", "serve", "cli"],
     "retrieval": ["train", "eval", "serve", "cli"],
     "serve": ["train", "cli"],
@@ -119,6 +124,12 @@ def test_the_checks_catch_a_circle_and_an_upward_import():
     assert "clip_mini.model.vision imports clip_mini.retrieval.index" in _upward(graph)
     graph["clip_mini.fileio.atomic"] = graph["clip_mini.fileio.atomic"] | {"clip_mini.fileio.manifest"}
     assert any("clip_mini.fileio.atomic" in c for c in _cycles(graph))   # manifest imports atomic
+    graph["clip_mini.embed"] = graph["clip_mini.embed"] | {"clip_mini.retrieval.rows"}
+    graph["clip_mini.eval.scoring"] = graph["clip_mini.eval.scoring"] | {"clip_mini.retrieval.files"}
+    graph["clip_mini.features.image_files"] = graph["clip_mini.features.image_files"] | {"clip_mini.embed"}
+    assert {"clip_mini.embed imports clip_mini.retrieval.rows",
+            "clip_mini.eval.scoring imports clip_mini.retrieval.files",
+            "clip_mini.features.image_files imports clip_mini.embed"} <= set(_upward(graph))
 
 
 def test_root_holds_at_most_eight_modules():
@@ -162,7 +173,8 @@ def test_nothing_outside_train_and_cli_imports_the_trainer():
         assert not bad, f"{name} imports the trainer: {bad}"
 
 
-@pytest.mark.parametrize("leaf", ["version.py", "cli/printing.py", "retrieval/rows.py", "errors.py"])
+@pytest.mark.parametrize("leaf", ["version.py", "cli/printing.py", "retrieval/rows.py", "errors.py",
+                                  "features/unit.py"])
 def test_leaves_stay_leaves(leaf):
     assert _imports(PKG / leaf) <= {"clip_mini.fileio.atomic"}, f"{leaf} should import nothing but the file helpers"
 
