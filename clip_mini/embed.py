@@ -259,7 +259,7 @@ class Embedder:
         labels, templates = check_labels(labels), check_templates(template)
         prompts = [t.format(c) for c in labels for t in templates]
         feats = self.encode_text(prompts, batch_size=batch_size).reshape(len(labels), len(templates), -1).mean(1)
-        from clip_mini.retrieval.rows import unit_rows
+        from clip_mini.features.unit import unit_rows
 
         return unit_rows(feats)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from clip_mini.retrieval import search as S
+from clip_mini.retrieval.search import bounds, exact_torch
 from clip_mini.retrieval.files import scan_images
 from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
 from clip_mini.retrieval.rows import BF16Rows, bf16_bits_to_f32, encode, f32_to_bf16_bits
@@ -79,18 +80,18 @@ def test_bf16_margin_bounds_torch_approximate_scores():
     mm = (qb @ E.T).float().numpy().T
     mm_t = (E @ qb.T).float().numpy()   # rows by queries, as the many-queries pass computes it
     for approx in (mv, mm, mm_t):
-        assert np.abs(approx - exact).max() < S._margin(S._BF16_U, 2, 256) / 2
+        assert np.abs(approx - exact).max() < bounds.margin(bounds.BF16_U, 2, 256) / 2
     # float16 rows: converted to bf16 by torch (row, query and result rounded), or, where the CPU has native bf16,
     # float32 chunks rounded by oneDNN inside the product (row and query; the result stays float32)
     half = rows.astype(np.float16)
     exact = half.astype(np.float64) @ q.astype(np.float64).T
     converted = (torch.from_numpy(half).float().bfloat16() @ qb.T).float().numpy()
-    assert np.abs(converted - exact).max() < S._margin(S._BF16_U, 3, 256) / 2
-    if S._implicit_bf16(torch):
-        with S._matmul_precision(torch, "bf16"):
+    assert np.abs(converted - exact).max() < bounds.margin(bounds.BF16_U, 3, 256) / 2
+    if exact_torch._implicit_bf16(torch):
+        with exact_torch._matmul_precision(torch, "bf16"):
             implicit = (torch.from_numpy(half).float() @ torch.from_numpy(q).T).numpy()
         # oneDNN may round the operands to bf16 (AMX) or keep float32 (an EPYC without AMX does): either is in bounds
-        assert np.abs(implicit - exact).max() < S._margin(S._BF16_U, 2, 256) / 2
+        assert np.abs(implicit - exact).max() < bounds.margin(bounds.BF16_U, 2, 256) / 2
 
 
 def test_bf16_index_format_search_and_conversions(tmp_path, embedder, image_folder):

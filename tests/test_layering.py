@@ -1,9 +1,11 @@
 """Imports run one way, read from the source (AST), imports inside functions included:
 
-    cli, serve  ->  retrieval, train, eval  ->  model, data, pictures  ->  config, errors, version, runtime, fileio
+    cli, serve  ->  retrieval, train, eval  ->  embed  ->  features  ->  model, data, pictures
+                ->  config, errors, version, runtime, fileio
 
-No import circles; the model never imports retrieval, serve, the CLI, training or evaluation; nothing in the
-package imports the package root (which is the public API for users); the root holds at most 8 modules.
+No import circles; the model never imports retrieval, serve, the CLI, training or evaluation; embed and eval never
+import retrieval (what they share with it lives in features); nothing in the package imports the package root
+(which is the public API for users); the root holds at most 8 modules.
 """
 import ast
 from pathlib import Path
@@ -13,16 +15,22 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
 RETRIEVAL_ORDER = ["rows", "search", "items", "faiss_auto", "format", "dupes", "files", "reader", "build", "shards",
                    "wds_source", "ray_index", "preprocess_np", "query", "engine", "index"]
+# retrieval/search/: the modules of the search package, each importing only those before it
+SEARCH_ORDER = ["bounds", "shortlist", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
+                "approximate", "dispatch"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {
-    "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config"],
-    "runtime": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "embed"],
-    "config": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed"],
-    "model": ["train", "eval", "retrieval", "serve", "cli", "embed", "pictures"],
-    "data": ["model", "train", "eval", "retrieval", "serve", "cli", "embed"],
-    "pictures": ["model", "train", "eval", "retrieval", "serve", "cli", "embed"],
-    "embed": ["train", "eval", "serve", "cli"],
-    "eval": ["train", "serve", "cli"],
+    "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config",
+               "features"],
+    "runtime": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "embed", "features"],
+    "config": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed",
+               "features"],
+    "model": ["train", "eval", "retrieval", "serve", "cli", "embed", "pictures", "features"],
+    "data": ["model", "train", "eval", "retrieval", "serve", "cli", "embed", "features"],
+    "pictures": ["model", "train", "eval", "retrieval", "serve", "cli", "embed", "features"],
+    "features": ["train", "eval", "retrieval", "serve", "cli", "embed"],
+    "embed": ["train", "eval", "retrieval", "serve", "cli"],
+    "eval": ["train", "retrieval", "serve", "cli"],
     "train": ["retrieval", "serve", "cli"],
     "retrieval": ["train", "eval", "serve", "cli"],
     "serve": ["train", "cli"],
@@ -116,6 +124,12 @@ def test_the_checks_catch_a_circle_and_an_upward_import():
     assert "clip_mini.model.vision imports clip_mini.retrieval.index" in _upward(graph)
     graph["clip_mini.fileio.atomic"] = graph["clip_mini.fileio.atomic"] | {"clip_mini.fileio.manifest"}
     assert any("clip_mini.fileio.atomic" in c for c in _cycles(graph))   # manifest imports atomic
+    graph["clip_mini.embed"] = graph["clip_mini.embed"] | {"clip_mini.retrieval.rows"}
+    graph["clip_mini.eval.scoring"] = graph["clip_mini.eval.scoring"] | {"clip_mini.retrieval.files"}
+    graph["clip_mini.features.image_files"] = graph["clip_mini.features.image_files"] | {"clip_mini.embed"}
+    assert {"clip_mini.embed imports clip_mini.retrieval.rows",
+            "clip_mini.eval.scoring imports clip_mini.retrieval.files",
+            "clip_mini.features.image_files imports clip_mini.embed"} <= set(_upward(graph))
 
 
 def test_root_holds_at_most_eight_modules():
@@ -123,12 +137,32 @@ def test_root_holds_at_most_eight_modules():
     assert len(root) <= 8, root
 
 
+def _ordered_imports(package: str, order: list[str]):
+    """(module, imported module, the modules above it) for each import within ``package`` (a module of ``order``
+    may be a package: its files count as it, and importing any of them counts as importing it)."""
+    folder = PKG.joinpath(*package.split(".")[1:])
+    for i, name in enumerate(order):
+        files = sorted((folder / name).glob("*.py")) if (folder / name).is_dir() else [folder / f"{name}.py"]
+        for path in files:
+            for imp in _imports(path):
+                if imp.startswith(f"{package}.") and not imp.startswith(f"{package}.{name}."):
+                    yield path, imp, {f"{package}.{m}" for m in order[:i]}
+
+
+def _is_above(imp: str, above: set[str]) -> bool:
+    return any(imp == m or imp.startswith(f"{m}.") for m in above)
+
+
 def test_retrieval_imports_only_modules_above_it():
-    for i, name in enumerate(RETRIEVAL_ORDER):
-        allowed = {f"clip_mini.retrieval.{m}" for m in RETRIEVAL_ORDER[:i]}
-        for imp in _imports(PKG / "retrieval" / f"{name}.py"):
-            if imp.startswith("clip_mini.retrieval."):
-                assert imp in allowed, f"retrieval/{name}.py imports {imp}, which is not above it"
+    for path, imp, above in _ordered_imports("clip_mini.retrieval", RETRIEVAL_ORDER):
+        assert _is_above(imp, above), f"{path.relative_to(PKG)} imports {imp}, which is not above it"
+
+
+def test_search_modules_import_only_modules_above_them():
+    package = "clip_mini.retrieval.search"
+    assert sorted(p.stem for p in (PKG / "retrieval/search").glob("*.py")) == sorted(SEARCH_ORDER + ["__init__"])
+    for path, imp, above in _ordered_imports(package, SEARCH_ORDER + ["__init__"]):
+        assert _is_above(imp, above), f"{path.relative_to(PKG)} imports {imp}, which is not above it"
 
 
 def test_nothing_outside_train_and_cli_imports_the_trainer():
@@ -139,14 +173,18 @@ def test_nothing_outside_train_and_cli_imports_the_trainer():
         assert not bad, f"{name} imports the trainer: {bad}"
 
 
-@pytest.mark.parametrize("leaf", ["version.py", "cli/printing.py", "retrieval/rows.py", "errors.py"])
+@pytest.mark.parametrize("leaf", ["version.py", "cli/printing.py", "retrieval/rows.py", "errors.py",
+                                  "features/unit.py"])
 def test_leaves_stay_leaves(leaf):
     assert _imports(PKG / leaf) <= {"clip_mini.fileio.atomic"}, f"{leaf} should import nothing but the file helpers"
 
 
-def test_search_back_ends_read_rows_only():
+@pytest.mark.parametrize("module", SEARCH_ORDER + ["__init__"])
+def test_search_back_ends_read_rows_only(module):
     # the search back ends read stored rows (float16 or bfloat16) and nothing else of the package
-    assert _imports(PKG / "retrieval/search.py") <= {"clip_mini.retrieval.rows", "clip_mini.fileio.atomic"}
+    outside = {m for m in _imports(PKG / "retrieval/search" / f"{module}.py")
+               if not m.startswith("clip_mini.retrieval.search")}
+    assert outside <= {"clip_mini.retrieval.rows", "clip_mini.fileio.atomic"}, module
 
 
 def test_command_modules_do_not_import_the_parser():

@@ -191,14 +191,14 @@ def test_grouped_many_query_pass_is_exact(storage, n, implicit, monkeypatch):
     k asked for (k=40 still fits; n=150: fewer groups than k) must still give the exact top-K, with float16 rows
     converted to bf16 by torch or (``implicit``, where the CPU has native bf16) rounded inside oneDNN's product."""
     pytest.importorskip("torch")
-    from clip_mini.retrieval import search as S
     from clip_mini.retrieval.rows import BF16Rows, encode
+    from clip_mini.retrieval.search import exact_torch as T
 
-    monkeypatch.setattr(S, "_BF16_CHUNK", 200)        # several chunks, not whole groups (rounded down to 192)
-    monkeypatch.setattr(S, "_BF16_ROWS_CHUNK", 200)
-    monkeypatch.setattr(S, "_IMPLICIT_CHUNK", 200)
-    monkeypatch.setattr(S, "_SUPER", 4)               # 47 super-groups of 4 groups, the last one padded
-    monkeypatch.setattr(S, "_IMPLICIT_BF16", implicit)
+    monkeypatch.setattr(T, "_BF16_CHUNK", 200)        # several chunks, not whole groups (rounded down to 192)
+    monkeypatch.setattr(T, "_BF16_ROWS_CHUNK", 200)
+    monkeypatch.setattr(T, "_IMPLICIT_CHUNK", 200)
+    monkeypatch.setattr(T, "_SUPER", 4)               # 47 super-groups of 4 groups, the last one padded
+    monkeypatch.setattr(T, "_IMPLICIT_BF16", implicit)
     rng = np.random.default_rng(11)
     centre = _unit(rng, 1, 32)[0]
     emb = _unit(rng, n, 32)
@@ -225,13 +225,13 @@ def test_grouped_many_query_pass_is_exact(storage, n, implicit, monkeypatch):
 @pytest.mark.parametrize("n_queries", [1, 3, 9])
 def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_path):
     pytest.importorskip("torch")
-    from clip_mini.retrieval import search as S
+    from clip_mini.retrieval.search import exact_torch as T
 
     # Small chunks so several chunks, their merge and the near-tie fallback all run on a small matrix.
-    monkeypatch.setattr(S, "_BIG_CHUNK", 700)
-    monkeypatch.setattr(S, "_BF16_CHUNK", 300)   # not whole groups of _GROUP rows: rounded down
-    monkeypatch.setattr(S, "_IMPLICIT_CHUNK", 300)
-    monkeypatch.setattr(S, "_SUPER", 3)          # the 41 tied rows below fill one super-group's groups
+    monkeypatch.setattr(T, "_BIG_CHUNK", 700)
+    monkeypatch.setattr(T, "_BF16_CHUNK", 300)   # not whole groups of _GROUP rows: rounded down
+    monkeypatch.setattr(T, "_IMPLICIT_CHUNK", 300)
+    monkeypatch.setattr(T, "_SUPER", 3)          # the 41 tied rows below fill one super-group's groups
     rng = np.random.default_rng(5)
     emb = _unit(rng, 3000, 24)
     emb[1000:1040] = emb[7]   # 41 identical rows: ties broken by row id, and one chunk holds more near-ties
@@ -247,3 +247,83 @@ def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_pa
     assert ids[0, :41].tolist() == [7] + list(range(1000, 1040))
     with pytest.raises(ValueError, match="unknown exact-search kernel"):
         exact_search(mm, q, kernel="fp16")
+
+
+# -- ties: every exact kernel, and the server's float32 copy, rank equal scores by row id -------------------------
+def _served(rows, q, k):
+    """``clip-mini serve``'s exact search over its float32 copy of a generation's rows."""
+    from clip_mini.serve.generations import _search_rows32
+
+    return _search_rows32(np.asarray(rows, np.float32), q, k)
+
+
+def _reference(rows, q, k):
+    """The float32 top-K of the rows as stored, best first, ties by row id (float64 products rounded once, so equal
+    rows score equally; a float32 BLAS product may round them differently by where they fall in its blocks)."""
+    sims = (q.astype(np.float64) @ np.asarray(rows, np.float32).astype(np.float64).T).astype(np.float32)
+    order = np.lexsort((np.broadcast_to(np.arange(sims.shape[1]), sims.shape), -sims), axis=1)[:, :k]
+    return np.take_along_axis(sims, order, 1), order
+
+
+def _stored(emb: np.ndarray, storage: str):
+    from clip_mini.retrieval.rows import BF16Rows, encode
+
+    return BF16Rows(encode(emb, "bfloat16")) if storage == "bfloat16" else emb.astype(storage)
+
+
+def _scan_available() -> bool:
+    from clip_mini.retrieval import search as S
+
+    return S.faiss_scan_available()
+
+
+def _torch_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+TIE_KERNELS = ["numpy", "onnxruntime", "auto", "served",
+               pytest.param("torch", marks=pytest.mark.skipif(not _torch_installed(), reason="torch not installed")),
+               pytest.param("faiss", marks=pytest.mark.skipif(not _scan_available(), reason="faiss >= 1.11 missing"))]
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("kernel", TIE_KERNELS)
+def test_every_kernel_ranks_ties_by_row_id(kernel, storage):
+    """100 identical rows give rows 0-4 for k=5, rows tied every 5th give 0, 5, 10, ..., and clustered near-ties
+    give the brute-force top-K, from every exact kernel (``auto`` included: numpy for small or float32 matrices)
+    and from the server's float32 copy, for one query and for several."""
+    if storage == "float32" and kernel in ("onnxruntime", "torch", "faiss"):
+        pytest.skip(f"the {kernel} kernel reads float16 or bfloat16 rows")
+
+    def search(rows, q, k):
+        return _served(rows, q, k) if kernel == "served" else exact_search(rows, q, k=k, kernel=kernel)
+
+    rng = np.random.default_rng(7)
+    d = 24
+    one = _unit(rng, 1, d)
+    scores, ids = search(_stored(np.repeat(one, 100, axis=0), storage), one, 5)
+    assert ids.tolist() == [[0, 1, 2, 3, 4]] and len(set(scores[0].tolist())) == 1
+    emb = _unit(rng, 300, d)
+    emb[::5] = one
+    q = np.concatenate([one, _unit(rng, 5, d)])
+    for nq in (1, 6):
+        scores, ids = search(_stored(emb, storage), q[:nq], 5)
+        assert ids[0].tolist() == [0, 5, 10, 15, 20]
+    centre = _unit(rng, 1, d)[0]
+    emb = _unit(rng, 3000, d)
+    emb[::3] = centre + 0.01 * rng.standard_normal((1000, d))   # a third within ~0.01 of each other
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    emb[1500:1540] = emb[9]   # 41 identical rows
+    rows = _stored(emb, storage)
+    q = np.concatenate([np.asarray(rows[9:10], np.float32), centre[None], _unit(rng, 4, d)])
+    for nq in (1, 6):
+        for k in (1, 5, 50):
+            scores, ids = search(rows, q[:nq], k)
+            ref_s, ref_i = _reference(rows, q[:nq], k)
+            np.testing.assert_array_equal(ids, ref_i)
+            np.testing.assert_array_equal(scores, ref_s)
+    assert ids[0, :41].tolist() == [9] + list(range(1500, 1540))
+    scores, ids = search(_stored(np.zeros((0, d), np.float32), storage), q, 5)   # an empty index
+    assert scores.shape == ids.shape == (6, 0)

@@ -13,6 +13,7 @@ import pytest
 
 from clip_mini.retrieval import search as S
 from clip_mini.retrieval.rows import BF16Rows, encode
+from clip_mini.retrieval.search import bounds, exact_faiss, exact_ort, shortlist
 
 needs_faiss = pytest.mark.skipif(not S.faiss_scan_available(), reason="faiss >= 1.11 not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,9 +55,10 @@ KERNEL_CASES = [pytest.param("faiss", t, marks=needs_faiss) for t in (1, 2, 3)] 
 @pytest.mark.parametrize("extra", [32, 2])   # 2: near-ties overflow the short lists -> range search / second pass
 @pytest.mark.parametrize("d", [24, 48])      # faiss's bf16 scan rounds the query at d % 16 == 0 only
 def test_kernel_equals_float32_brute_force(storage, kernel, threads, extra, d, monkeypatch):
-    monkeypatch.setattr(S, "_scan_threads", lambda faiss: threads)   # rows split into parts for < threads queries
-    monkeypatch.setattr(S, "_SCAN_EXTRA", extra)
-    monkeypatch.setattr(S, "_ORT_CHUNK", 700)   # several chunks, a partial last one
+    # rows split into parts for < threads queries
+    monkeypatch.setattr(exact_faiss, "_scan_threads", lambda faiss: threads)
+    monkeypatch.setattr(shortlist, "SCAN_EXTRA", extra)
+    monkeypatch.setattr(exact_ort, "_ORT_CHUNK", 700)   # several chunks, a partial last one
     n = 5003
     rows, q = _rows(storage, n, d, seed=threads)
     for nq in (1, 2, 5):
@@ -93,7 +95,7 @@ def test_faiss_scan_reads_the_rows_in_place():
     import faiss
 
     rows = _unit(np.random.default_rng(0), 100, 8).astype(np.float16)
-    view = S._scan_view(faiss, rows, bf16=False)
+    view = exact_faiss._scan_view(faiss, rows, bf16=False)
     assert not view.codes.is_owned and view.ntotal == 100
     before = view.search(rows[:1].astype(np.float32), 1)[1][0, 0]
     rows[7] = rows[0] * np.float16(1.0)
@@ -116,14 +118,14 @@ def test_margin_bounds_the_faiss_scan_scores(storage, d):
     bits = encode(emb, storage) if storage == "bfloat16" else emb.astype(np.float16)
     stored = np.asarray(BF16Rows(bits) if storage == "bfloat16" else bits, np.float32).astype(np.float64)
     q = _unit(rng, 4, d)
-    view = S._scan_view(faiss, bits, bf16=storage == "bfloat16")
+    view = exact_faiss._scan_view(faiss, bits, bf16=storage == "bfloat16")
     approx, ids = view.search(q, 20_000)
     exact = np.take_along_axis(q.astype(np.float64) @ stored.T, ids, 1)
     err = np.abs(approx - exact).max()
-    rounds = S._scan_rounds_query(faiss, storage == "bfloat16", d)
-    assert err <= S._margin(S._BF16_U if storage == "bfloat16" else S._FP16_U, int(rounds), d) / 2, err
+    rounds = exact_faiss._scan_rounds_query(faiss, storage == "bfloat16", d)
+    assert err <= bounds.margin(bounds.BF16_U if storage == "bfloat16" else bounds.FP16_U, int(rounds), d) / 2, err
     if not rounds:   # float32 query: the error is the accumulation's alone
-        assert err <= S._margin(0.0, 0, d) / 2, err
+        assert err <= bounds.margin(0.0, 0, d) / 2, err
 
 
 @needs_faiss
@@ -137,11 +139,12 @@ def test_auto_picks_torch_free_kernels_without_torch(tmp_path):
     code = (
         "import sys, numpy as np\n"
         "from clip_mini.retrieval import search as S\n"
+        "from clip_mini.retrieval.search import exact_faiss, exact_ort, exact_torch\n"
         f"e = np.load({str(tmp_path / 'e.npy')!r}, mmap_mode='r'); q = np.load({str(tmp_path / 'q.npy')!r})\n"
         "calls = []\n"
-        "for name in ('_exact_faiss', '_exact_ort', '_exact_torch'):\n"
-        "    real = getattr(S, name)\n"
-        "    setattr(S, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))\n"
+        "for module in (exact_faiss, exact_ort, exact_torch):\n"
+        "    name, real = module.__name__.rsplit('.', 1)[1], module.search\n"
+        "    module.search = lambda *a, name=name, real=real: calls.append(name) or real(*a)\n"
         "for m in (1, 40):\n"
         "    s, i = S.exact_search(e, q[:m], 10)\n"
         "    ref = S.exact_search(e, q[:m], 10, kernel='numpy')\n"
@@ -150,11 +153,11 @@ def test_auto_picks_torch_free_kernels_without_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["_exact_faiss", "_exact_ort", "False"]
+    assert out.stdout.split() == ["exact_faiss", "exact_ort", "False"]
 
 
 def test_auto_kernel_choices(monkeypatch):
-    monkeypatch.setattr(S, "faiss_scan_available", lambda: True)
+    monkeypatch.setattr(exact_faiss, "faiss_scan_available", lambda: True)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
     assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES_NO_TORCH + 1, True) == "onnxruntime"
@@ -163,5 +166,5 @@ def test_auto_kernel_choices(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", object())
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
     assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES + 1, True) == "torch"
-    monkeypatch.setattr(S, "faiss_scan_available", lambda: False)
+    monkeypatch.setattr(exact_faiss, "faiss_scan_available", lambda: False)
     assert S.auto_kernel(1_000_000, 1, True) == "torch"

@@ -66,7 +66,7 @@ def test_bf16_indexing_rows_within_1e2_cosine_of_fp32(tmp_path):
     from PIL import Image
 
     from clip_mini.embed import Embedder
-    from clip_mini.retrieval.files import iter_image_features
+    from clip_mini.features.image_files import iter_image_features
 
     rng = np.random.default_rng(0)
     paths = []
@@ -100,7 +100,7 @@ def test_bf16_indexing_loader_feeds_the_tower_the_same_pixels(tmp_path, cfg):
     from clip_mini.data import build_eval_transform, load_image
     from clip_mini.embed import Embedder
     from clip_mini.model.clip import ImageForward
-    from clip_mini.retrieval.files import iter_image_features
+    from clip_mini.features.image_files import iter_image_features
 
     rng = np.random.default_rng(0)
     paths = []

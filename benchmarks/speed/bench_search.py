@@ -48,6 +48,7 @@ from benchmarks.lib.machine import machine_info  # noqa: E402
 from clip_mini.retrieval import search as S  # noqa: E402
 from clip_mini.retrieval.rows import BF16Rows, encode  # noqa: E402
 from clip_mini.retrieval.search import build_faiss, exact_search, faiss_available, faiss_search  # noqa: E402
+from clip_mini.retrieval.search import exact_torch  # noqa: E402
 
 HNSW_MAX = 200_000
 NO_ANN = False
@@ -171,10 +172,10 @@ def fused_options(emb: np.ndarray, q: np.ndarray, repeats: int) -> dict:
                "bf16_storage_mv_q1": latencies(lambda: torch.mv(Eb, qb[0]), repeats),
                "bf16_storage_mm_q64": latencies(lambda: Eb @ qb.T, repeats),
                "fp16_to_bf16_chunks_mm_q64": latencies(bf16_via_fp32, repeats)}
-        if S._implicit_bf16(torch):
-            with S._matmul_precision(torch, "bf16"):
+        if exact_torch._implicit_bf16(torch):
+            with exact_torch._matmul_precision(torch, "bf16"):
                 out["fp16_to_fp32_chunks_onednn_bf16_mm_q64"] = latencies(fp32_rounded_by_onednn, repeats)
-    out["torch_kernel_rounds_in_onednn"] = S._implicit_bf16(torch)
+    out["torch_kernel_rounds_in_onednn"] = exact_torch._implicit_bf16(torch)
     return out
 
 
@@ -268,9 +269,9 @@ def cold_cli(rows: int, repeats: int, tmp: Path) -> dict:
     cmd = [sys.executable, "-m", "clip_mini", "search", "--index", str(index), "a dog running on grass", "--json"]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)   # exports the ONNX towers once
     probe = ("import sys, runpy; sys.argv = ['clip-mini'] + sys.argv[1:]\n"
-             "from clip_mini.retrieval import search as S\n"
-             "picked = []\nreal = S.auto_kernel\n"
-             "S.auto_kernel = lambda *a: picked.append(real(*a)) or picked[-1]\n"
+             "from clip_mini.retrieval.search import dispatch\n"
+             "picked = []\nreal = dispatch.auto_kernel\n"
+             "dispatch.auto_kernel = lambda *a: picked.append(real(*a)) or picked[-1]\n"
              "try:\n    runpy.run_module('clip_mini', run_name='__main__')\n"
              "except SystemExit:\n    pass\n"
              "print('KERNEL', picked, 'torch' in sys.modules, file=sys.stderr)\n")

@@ -28,7 +28,7 @@ def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, work
 
     Unreadable files are left out (and printed), never embedded as a placeholder vector.
     """
-    from clip_mini.retrieval.files import iter_image_features
+    from clip_mini.features.image_files import iter_image_features
 
     feats, keep = [np.zeros((0, embedder.dim), np.float32)], [np.zeros(0, np.int64)]
     for idx, f, bad in iter_image_features(embedder, list(paths), batch_size, workers, precision, progress):
@@ -187,7 +187,7 @@ def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_c
         classes = sorted(df["caption"].unique())
         index = {c: i for i, c in enumerate(classes)}
         return classes, df["path"].tolist(), [index[c] for c in df["caption"]]
-    from clip_mini.retrieval.files import scan_images
+    from clip_mini.features.image_files import image_files
 
     classes = [ln.strip() for ln in labels.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if images is None:
@@ -195,7 +195,7 @@ def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_c
     paths, targets = [], []
     for i, name in enumerate(classes):
         folder = Path(images) / name
-        found = scan_images(folder) if folder.is_dir() else []
+        found = image_files(folder) if folder.is_dir() else []
         paths += found
         targets += [i] * len(found)
     if not paths:

@@ -3,13 +3,12 @@
 Imports run one way (each module imports only those above it)::
 
     rows     stored embedding rows: float16, or bfloat16 bits read as float32 (index --dtype)
-    search   exact and faiss back ends (numpy; faiss when installed)
+    search   exact search (four kernels, one result, ties by row id) and faiss's approximate indexes (a package)
     items    the columnar, memory-mapped items table (format version 4), read row by row
     faiss_auto  index --faiss auto: tune the faiss search parameter to a recall target on proxy queries
     format   the directory format: manifest, items table, generations, atomic commits, writer lock, shard layout
     dupes    near-duplicate groups from stored rows (exact pairs, or faiss range search at scale)
-    files    finding image files and embedding them in batches (the indexing loader)
-    onnx_export  the towers as ONNX graphs beside the model directory (exported once, checksummed)
+    files    the image folder an index is built from (the file walk and batched embedding: clip_mini.features)
     reader   IndexReader: one generation opened read-only, searched
     build    sync_index: make an index hold a list of images (incremental, resumable)
     shards   merge_indexes: shard indexes into one

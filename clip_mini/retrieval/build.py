@@ -23,9 +23,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from clip_mini.features.image_files import iter_image_features
 from clip_mini.fileio.bounded_read import sha256_regular_files
 from clip_mini.fileio.atomic import atomic_path, atomic_write_json, atomic_write_text
-from clip_mini.retrieval.files import iter_image_features
 from clip_mini.retrieval.format import (EmbeddingIndexError, commit, current_generation, in_shard, shard_dir,
                                         writer_lock)
 from clip_mini.model.onnx_export import export_if_missing

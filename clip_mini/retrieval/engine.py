@@ -13,9 +13,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from clip_mini.features.unit import unit_rows
 from clip_mini.fileio.manifest import read_manifest
 from clip_mini.retrieval.query import QUERY_FILES, ImageQueryEncoder, TextQueryEncoder
-from clip_mini.retrieval.rows import unit_rows
 
 
 class QueryEngine:

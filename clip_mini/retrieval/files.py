@@ -1,76 +1,24 @@
-"""Image files: finding them in a folder, and embedding them in batches with a progress bar.
+"""The image folder an index is built from: its image files, or an error naming the folder.
 
-Shared by index builds (``clip_mini.retrieval.build``) and zero-shot evaluation (``clip_mini.eval.scoring``).
+The file walk and the batched embedding pass live in ``clip_mini.features.image_files`` (evaluation uses them
+too); this module adds the index's own error for a folder that is missing or a file.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Iterator, Sequence
 
-import numpy as np
-
+from clip_mini.features.image_files import image_files
 from clip_mini.retrieval.format import EmbeddingIndexError
-
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 
 def scan_images(folder: str | Path) -> list[str]:
-    """Absolute paths of the image files under ``folder`` (recursive, by extension; hidden entries skipped)."""
+    """Absolute paths of the image files under ``folder`` (recursive, by extension; hidden entries skipped).
+
+    Raises:
+        EmbeddingIndexError: ``folder`` does not exist or is a file.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "not found"
         raise EmbeddingIndexError(f"image folder {what}: {folder}")
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(root, f) for f in files
-                  if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS]
-    return sorted(os.path.abspath(p) for p in found)
-
-
-def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
-                        precision: str = "fp32", progress: bool = True, desc: str = "embedding images",
-                        ) -> Iterator[tuple[np.ndarray, np.ndarray, dict[int, str]]]:
-    """Embed image files in batches: yields ``(indices, features (b, d) float32, {index: reason} of failures)``.
-
-    Failures are the caller's to report (a skip list, a summary line); here they only count on the progress bar,
-    never as Python warnings with a source line.
-    """
-    import torch
-    from torch.utils.data import DataLoader
-    from tqdm import tqdm
-
-    from clip_mini.data import ImageDataset, ImageError, build_eval_transform, collate_images, load_image
-    from clip_mini.model.clip import ImageForward
-
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise EmbeddingIndexError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
-    device = torch.device(embedder.device)
-    forward = ImageForward(embedder.model, precision, device)   # the same pass as eval and the feature store
-    # a bf16 tower: pixels normalised straight to bf16, the same values (data/transforms.py)
-    transform = (embedder.transform if forward.input_dtype == torch.float32
-                 else build_eval_transform(embedder.model.preprocess, forward.input_dtype))
-    # Pinned batches let the copy to a GPU run while the next batch decodes.
-    loader = DataLoader(ImageDataset(paths, transform, warn=False), batch_size=batch_size, num_workers=workers,
-                        shuffle=False, pin_memory=device.type == "cuda", collate_fn=collate_images)
-    skipped = 0
-    with tqdm(total=len(paths), desc=desc, unit="img", disable=not progress) as bar, torch.inference_mode():
-        for pixels, idx, ok in loader:
-            bad = {}
-            for i in idx[~ok].tolist():
-                try:
-                    load_image(paths[i])
-                    bad[i] = "unreadable"
-                except (ImageError, OSError) as e:
-                    bad[i] = getattr(e, "reason", str(e))
-            feats = np.zeros((0, embedder.dim), np.float32)
-            if ok.all():
-                feats = forward(pixels).cpu().numpy()
-            elif ok.any():
-                feats = forward(pixels[ok]).cpu().numpy()
-            if bad:
-                skipped += len(bad)
-                bar.set_postfix(skipped=skipped, refresh=False)
-            bar.update(len(idx))
-            yield idx[ok].numpy(), feats, bad
+    return image_files(folder)

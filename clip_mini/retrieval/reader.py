@@ -10,9 +10,10 @@ from typing import Optional
 
 import numpy as np
 
+from clip_mini.features.unit import unit_rows
 from clip_mini.fileio.checksums import known_sha256
 from clip_mini.retrieval.format import EmbeddingIndexError, open_items, read_manifest
-from clip_mini.retrieval.rows import DTYPES, numpy_dtype, unit_rows, wrap
+from clip_mini.retrieval.rows import DTYPES, numpy_dtype, wrap
 
 _OPEN_RETRIES = 5
 

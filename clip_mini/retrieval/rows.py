@@ -1,7 +1,7 @@
 """Stored embedding rows: float16 (the default) or bfloat16, and how numpy code reads either.
 
 Why bfloat16: a CPU with native bf16 matrix products (AMX/AVX512-BF16) has no fp16 arithmetic, so exact search
-over float16 rows must convert every row before it can multiply (``search.py``), while bf16 rows go straight into
+over float16 rows must convert every row before it can multiply (``search/``), while bf16 rows go straight into
 torch's bf16 matrix-vector and matrix products, which read them at memory speed
 (``benchmarks/results/speed/search.json``, ``bf16_storage_*``). The price is precision: 8 significant bits against
 float16's 11 (unit rows: a cosine within ~4e-3 of float32 instead of ~5e-4), which is why float16 stays the default
@@ -86,10 +86,3 @@ def numpy_dtype(dtype: str) -> np.dtype:
 def encode(block: np.ndarray, dtype: str) -> np.ndarray:
     """Rows (any float dtype) in a storage dtype: float16, or bfloat16 bits (uint16)."""
     return f32_to_bf16_bits(block) if numpy_dtype(dtype) == np.uint16 else np.asarray(block, dtype=np.float16)
-
-
-def unit_rows(x) -> np.ndarray:
-    """Rows as float32 scaled to unit L2 length (a zero row stays zero): the one normaliser of query and class
-    embeddings outside torch."""
-    x = np.asarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)

@@ -211,15 +211,7 @@ def uses_faiss(index: EmbeddingIndex) -> bool:
 
 
 def _search_rows32(rows: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k over float32 rows in memory: one product, no per-chunk copy (faster than ``exact_search``,
-    which must convert stored float16 chunk by chunk). Same order: best first, ties by row id."""
-    queries = np.asarray(queries, np.float32).reshape(-1, rows.shape[1])
-    k = min(k, len(rows))
-    sims = queries @ rows.T  # (Q, N)
-    if k < len(rows):
-        top = np.argpartition(sims, -k, axis=1)[:, -k:]
-    else:
-        top = np.broadcast_to(np.arange(len(rows)), sims.shape)
-    scores = np.take_along_axis(sims, top, axis=1)
-    order = np.lexsort((top, -scores), axis=-1)
-    return np.take_along_axis(scores, order, -1), np.take_along_axis(top, order, -1).astype(np.int64)
+    """Exact top-k over float32 rows in memory: one product over the rows where they lie, no per-chunk copy (faster
+    than searching the stored float16 rows, which must be converted chunk by chunk). The library's numpy kernel, so
+    the same scores and order: best first, ties by row id."""
+    return S.exact_search(rows, queries, k, chunk_rows=len(rows), kernel="numpy")
