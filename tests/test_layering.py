@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
-RETRIEVAL_ORDER = ["rows", "search", "items", "faiss_auto", "format", "dupes", "files", "reader", "build", "shards",
-                   "wds_source", "ray_index", "preprocess_np", "query", "engine", "index"]
+RETRIEVAL_ORDER = ["rows", "search", "items", "faiss_auto", "format", "dupe_groups", "dupes", "files", "reader",
+                   "build", "shards", "wds_source", "ray_index", "preprocess_np", "query", "engine", "index"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {
     "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config"],
