@@ -270,6 +270,17 @@ def test_single_linkage_reports_a_chains_lowest_pair_and_complete_linkage_splits
     assert [g.rows for g in find_duplicates(rows, 0.85, linkage="complete")] == [[0, 1, 2]]
 
 
+def test_a_single_linkage_group_too_large_for_its_lowest_pair_says_so(monkeypatch):
+    from clip_mini.retrieval import dupe_groups
+    from clip_mini.retrieval.dupes import find_duplicates
+
+    monkeypatch.setattr(dupe_groups, "LOWEST_MAX_ROWS", 2)
+    [chain] = find_duplicates(_chain(), 0.96)
+    assert chain.rows == [0, 1, 2] and chain.lowest is None and chain.similarity == pytest.approx(0.970, abs=1e-5)
+    [pair] = find_duplicates(_chain()[:2], 0.96)   # every pair linked: its lowest pair is its weakest link
+    assert pair.lowest == pair.similarity
+
+
 def test_complete_linkage_groups_are_cliques_and_split_single_components():
     from clip_mini.retrieval.dupes import find_duplicates
 
