@@ -71,8 +71,17 @@ def test_python_classify_matches_cli(trained_model_dir, folder, tmp_path, capsys
     cli = list(csv.DictReader(open(out)))
     assert [r["label"] for r in rows] == [r["label"] for r in cli]
     assert np.allclose([r["score"] for r in rows], [float(r["score"]) for r in cli], atol=1e-5)
-    # the scores are probabilities over the labels
-    assert all(math.isclose(sum(s for _, s in r["top"]), r["score"] + r["runner_up_score"]) for r in rows)
+    assert all(r["top"] == [(r["label"], r["score"]), (r["runner_up"], r["runner_up_score"])] for r in rows)
+    # the scores are probabilities over the labels: the softmax of the cosines times the model's logit scale
+    e = clip_mini.load(trained_model_dir)
+    every = e.classify(paths, COLOURS, template=templates, top=len(COLOURS))
+    logits = e.encode_image(paths) @ e.label_embeddings(COLOURS, templates).T * float(e.model.scale().detach())
+    want = np.exp(logits - logits.max(1, keepdims=True))
+    want /= want.sum(1, keepdims=True)
+    for r, p in zip(every, want):
+        assert sum(s for _, s in r["top"]) == pytest.approx(1, abs=1e-5)
+        assert dict(r["top"]) == pytest.approx(dict(zip(COLOURS, p.tolist())), abs=1e-5)
+        assert [s for _, s in r["top"]] == sorted((s for _, s in r["top"]), reverse=True)
 
 
 def test_template_ensemble_averages_normalised_prompts(model_dir):

@@ -7,7 +7,8 @@ Imports run one way (each module imports only those above it)::
     items    the columnar, memory-mapped items table (format version 4), read row by row
     faiss_auto  index --faiss auto: tune the faiss search parameter to a recall target on proxy queries
     format   the directory format: manifest, items table, generations, atomic commits, writer lock, shard layout
-    dupes    near-duplicate groups from stored rows (exact pairs, or faiss range search at scale)
+    dupe_groups  near-duplicate groups from linked pairs: single or complete linkage, weakest link, lowest pair
+    dupes    near-duplicate pairs from stored rows (exact pairs, or faiss range search at scale), grouped
     files    the image folder an index is built from (the file walk and batched embedding: clip_mini.features)
     reader   IndexReader: one generation opened read-only, searched
     build    sync_index: make an index hold a list of images (incremental, resumable)
