@@ -124,6 +124,41 @@ def test_numpy_preprocessing_equals_eval_transform(mode, size):
         np.testing.assert_allclose(eval_pixels(shrink, dataclasses.asdict(pre)), transform(shrink).numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("area", [True, False])
+def test_resize_window_is_the_full_resize_sliced(area):
+    from clip_mini.retrieval.preprocess_np import resize_uint8
+
+    rng = np.random.default_rng(7)
+    for h, w, height, width in [(90, 40, 30, 20), (37, 300, 20, 160), (5, 50, 60, 10), (64, 64, 64, 64)]:
+        image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        full = resize_uint8(image, height, width, area)
+        for top, left, ch, cw in [(0, 0, height, width), (3, 2, 7, 5), (height - 4, width - 3, 4, 3)]:
+            got = resize_uint8(image, height, width, area, crop=(top, left, ch, cw))
+            np.testing.assert_array_equal(got, full[top:top + ch, left:left + cw])
+
+
+@pytest.mark.parametrize("shape,mode", [((20_000, 1, 3), "squash"), ((1, 20_000, 3), "squash"),
+                                        ((1, 100, 3), "center_crop"), ((3000, 2, 3), "center_crop"),
+                                        ((1500, 1000, 3), "squash")])
+def test_thin_images_preprocess_in_memory_the_size_of_the_output(shape, mode):
+    """A 1 x 1,000,000 upload took 5.6 GB here: the bilinear pass made (H, 224, 3) int64 temporaries, area
+    averaging a dense (224, H) matrix, and a centre crop resized the whole 224 x 224,000,000 strip first."""
+    import tracemalloc
+
+    from clip_mini.retrieval.preprocess_np import eval_pixels
+
+    image = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        out = eval_pixels(image, dict(image_size=224, resize_mode=mode, mean=(0.5,) * 3, std=(0.5,) * 3))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (3, 224, 224)
+    # a few float64 arrays of the output's size (1.2 MB each); the old kernels peaked at 300 to 460 MB on the thin ones
+    assert peak < (16 << 20) + 2 * image.nbytes, peak
+
+
 @pytest.mark.skipif(not (FLICKR8K / "images").is_dir(), reason="Flickr8k dev data not present")
 def test_numpy_preprocessing_on_real_photos():
     from clip_mini.config import PreprocessConfig

@@ -476,3 +476,229 @@ def test_cli_runs_uvicorn_with_the_deadlines(photo_index, monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     assert main(["serve", "--index", str(photo_index), "--port", "8123"]) == 0
     assert seen["http"] is TimedH11Protocol and seen["timeout_keep_alive"] == 5 and seen["port"] == 8123
+
+
+# -- uploads at the limits ------------------------------------------------------------------------------------
+def _png(size, colour=(200, 30, 30), mode="RGB", **save) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, colour).save(buf, format="PNG", **save)
+    return buf.getvalue()
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` and holds no pixels: only a header check can answer it fast."""
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = lambda kind, data: (struct.pack(">I", len(data)) + kind + data  # noqa: E731
+                                + struct.pack(">I", zlib.crc32(kind + data)))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def _upload(client, data: bytes, name: str = "q.png"):
+    return client.post("/api/search/image", files={"file": (name, data, "image/png")})
+
+
+def test_thin_uploads_past_the_aspect_limit_are_refused_from_the_header(photo_index):
+    """The probe's uploads: a 1 x 1,000,000 PNG (4 KB) peaked at 5.6 GB, a 1 x 36,000,000 one asked for 51.5 GiB."""
+    with _client(photo_index) as c:
+        for data in (_png((1, 1_000_000)), _png_header_only(1, 36_000_000), _png_header_only(283_464, 127),
+                     _png((127, 2541))):
+            r = _upload(c, data)
+            assert r.status_code == 422 and r.headers["content-type"] == "application/json", r.text
+            assert "aspect ratio 20:1" in r.json()["error"] and "crop it" in r.json()["error"]
+        assert _upload(c, _png((20, 400))).status_code == 200   # at the limit: served
+        assert c.get("/api/info").json()["limits"]["max_upload_pixels"] == 36_000_000
+
+
+def test_a_long_strip_is_reduced_along_its_length(photo_index):
+    """Images whose short side was under 4x the model's input were never reduced, whatever their length."""
+    from clip_mini.serve.app import ServeConfig, create_app
+    from clip_mini.serve.pictures import decode_upload
+
+    app = create_app(ServeConfig(index=str(photo_index), allowed_hosts=["testserver"], preload_attention=False))
+    svc, seen = app.state.service, []
+    encode = svc.engine.encode_image
+    svc.engine.encode_image = lambda images: seen.extend(a.shape for a in images) or encode(images)
+    size = svc.image_size
+    assert not svc.keep_aspect   # the test model squashes: each axis may shrink on its own
+    strip = _png((300, 6000))
+    with TestClient(app) as c:
+        assert _upload(c, strip).status_code == 200
+    assert seen and 2 * size <= min(seen[0][:2]) and max(seen[0][:2]) < 4 * size, (seen, size)
+    # a model that centre-crops needs the true proportions: one factor for both axes
+    kept = decode_upload(strip, min_size=size, keep_aspect=True)
+    assert kept.shape[0] == 20 * kept.shape[1] and kept.shape[1] < 300, kept.shape
+
+
+def test_memory_error_while_decoding_is_413_and_the_server_goes_on(photo_index):
+    from clip_mini.serve.app import ServeConfig, create_app
+
+    app = create_app(ServeConfig(index=str(photo_index), allowed_hosts=["testserver"], preload_attention=False))
+    svc = app.state.service
+    encode, calls = svc.engine.encode_image, []
+
+    def starved(images):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError()
+        if len(calls) == 3:
+            raise RuntimeError("a bug")
+        return encode(images)
+
+    svc.engine.encode_image = starved
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = _upload(c, _png((64, 64)))
+        assert r.status_code == 413 and r.headers["content-type"] == "application/json"
+        assert "more memory than the server has free" in r.json()["error"]
+        assert _upload(c, _png((64, 64))).status_code == 200
+        r = _upload(c, _png((64, 64)))   # a bug is a 500, answered in JSON like every other error
+        assert r.status_code == 500 and r.json() == {"error": "internal error (RuntimeError); the server log has "
+                                                              "the details"}
+        assert c.get("/api/info").json()["backend"]["image_queries_in_flight"] == 0
+
+
+def test_deep_or_huge_json_gets_a_json_400(photo_index):
+    with _client(photo_index) as c:
+        json_body = {"content-type": "application/json"}
+        deep = b'{"image": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = c.post("/api/search/image", content=deep, headers=json_body)
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"], r.text
+        r = c.post("/api/search/image", content=b'{"image": "AAAA", "k": ' + b"9" * 5000 + b"}", headers=json_body)
+        assert r.status_code == 400 and "4,300 digits" in r.json()["error"], r.text
+        r = c.post("/api/search/image", content=b'{"image": "AAAA", "k": ' + b"9" * 4000 + b"}", headers=json_body)
+        assert r.status_code == 400 and r.json()["error"].endswith("got a number of about 4000 digits"), r.text
+        for r in (c.get("/api/search", params={"q": "red", "k": "9" * 5000}),
+                  c.post("/api/search/image", params={"k": "9" * 5000}, files={"file": ("q.png", b"x", "image/png")})):
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+
+
+def test_pictures_may_not_be_embedded_by_other_sites(photo_index):
+    with _client(photo_index) as c:
+        for url in ("/image/0", "/thumb/0", "/api/attention/0"):
+            r = c.get(url)
+            assert r.status_code == 200 and r.headers["cross-origin-resource-policy"] == "same-origin", url
+
+
+def test_tokens_no_client_can_send_are_refused_at_start(photo_index, capsys, monkeypatch):
+    from clip_mini.cli.main import main
+    from clip_mini.serve.server import ServeError, exposure
+
+    monkeypatch.delenv("CLIP_MINI_TOKEN", raising=False)
+    for token, why in [("é" * 20, "non-ASCII"), ("tok\x00" * 5, "non-ASCII or control"), (" " * 20, "only whitespace"),
+                       (TOKEN + " ", "starts or ends with whitespace"), ("\t" + TOKEN, "non-ASCII or control")]:
+        with pytest.raises(ServeError, match=why):
+            exposure("0.0.0.0", token, False)
+        with pytest.raises(ServeError, match=why):
+            exposure("127.0.0.1", token, False)   # on loopback too: the page's login could never succeed
+    assert exposure("0.0.0.0", "inner spaces are fine", False)[0] == "inner spaces are fine"
+    monkeypatch.setenv("CLIP_MINI_TOKEN", " " * 20)
+    assert main(["serve", "--index", str(photo_index), "--host", "0.0.0.0"]) == 2
+    assert "whitespace" in capsys.readouterr().err
+
+
+def test_retry_after_counts_the_time_already_spent():
+    """Four slow uploads held the only image thread for 80 s while Retry-After said 2: the mean moved only when a
+    call finished. A fake clock stands for a call that has run 30 s and is still running."""
+    from clip_mini.serve.admission import BoundedPool, Busy
+
+    now = [100.0]
+    pool = BoundedPool(1, 2, "image", clock=lambda: now[0])
+    gate = threading.Event()
+
+    async def scenario():
+        first = asyncio.ensure_future(pool.run(gate.wait, 60))
+        second = asyncio.ensure_future(pool.run(lambda: None))
+        while not pool._started:   # the first call is on the thread
+            await asyncio.sleep(0.01)
+        assert pool.retry_after() == 2   # nothing has run long yet: the first guess of 1 s a call, two calls
+        now[0] += 30
+        with pytest.raises(Busy) as refused:
+            await pool.run(lambda: None)
+        gate.set()
+        await asyncio.gather(first, second)
+        return refused.value.retry_after
+
+    try:
+        wait = asyncio.run(scenario())
+    finally:
+        pool.shutdown()
+    # the running call is expected to need about as long again (30 s), the waiting one as long as it (30 s)
+    assert wait == 60, wait
+    assert pool.retry_after() == 1 and pool._mean_s == pytest.approx(0.8 * (0.8 + 0.2 * 30))   # the 30 s call, then 0 s
+
+
+def test_one_pillow_error_ladder_for_files_and_uploads(tmp_path):
+    from clip_mini.data.images import ImageError, load_image
+    from clip_mini.serve.pictures import decode_upload
+
+    data = _png((64, 64))[:-30]   # truncated inside its pixel data
+    (tmp_path / "t.png").write_bytes(data)
+    with pytest.raises(ImageError) as from_file:
+        load_image(tmp_path / "t.png")
+    with pytest.raises(ImageError) as from_upload:
+        decode_upload(data, "t.png")
+    assert from_file.value.reason == from_upload.value.reason and from_file.value.reason.startswith("cannot decode")
+
+
+UPLOAD_RSS_SCRIPT = r"""
+import json, sys, time
+from pathlib import Path
+from fastapi.testclient import TestClient
+from clip_mini.serve.app import ServeConfig, create_app
+
+def peak_mb():   # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking process (pytest)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) >> 10
+
+out = []
+for index in sys.argv[2:]:
+    app = create_app(ServeConfig(index=index, allowed_hosts=["testserver"], preload_attention=False))
+    with TestClient(app) as c:
+        out.append([Path(index).name, "(started)", 200, 0.0, peak_mb()])
+        for path in sorted(Path(sys.argv[1]).iterdir()):
+            start = time.perf_counter()
+            r = c.post("/api/search/image", files={"file": (path.name, path.read_bytes(), "image/png")})
+            out.append([Path(index).name, path.name, r.status_code, round(time.perf_counter() - start, 2),
+                        peak_mb()])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc (Linux)")
+def test_server_memory_stays_under_2_gb_for_any_upload_within_the_limits(tmp_path):
+    """The uploads that cost the most within the caps (36 MP, 20:1, 16-bit, alpha, palette), against a 224-pixel
+    model that squashes and one that centre-crops; the server process's peak RSS (VmHWM) stays <= 2 GB."""
+    from PIL import Image
+
+    from clip_mini.retrieval.index import EmbeddingIndex
+    from clip_mini.model.onnx_export import ensure_onnx
+    from conftest import TINY, make_model_dir
+
+    indexes = []
+    for mode in ("squash", "center_crop"):
+        vision = {**TINY["vision"], "image_size": 224, "patch_size": 32, "resize_mode": mode}
+        model = make_model_dir(tmp_path / f"model-{mode}", vision=vision)
+        for tower in ("text", "image"):   # the ONNX export imports torch: here, not in the measured process
+            ensure_onnx(model, tower)
+        EmbeddingIndex.build(tmp_path / mode, model, write_images(tmp_path / "photos", 2), progress=False)
+        indexes.append(str(tmp_path / mode))
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    (uploads / "rgb.png").write_bytes(_png((6000, 6000), compress_level=1))
+    (uploads / "wide.png").write_bytes(_png((26_820, 1341), compress_level=1))        # 36.0 MP at 20:1
+    (uploads / "tall.png").write_bytes(_png((447, 8940), compress_level=1))            # 20:1, short side under 2x224
+    (uploads / "grey16.png").write_bytes(_png((6000, 6000), 40_000, "I;16", compress_level=1))
+    (uploads / "rgba.png").write_bytes(_png((6000, 6000), (200, 30, 30, 128), "RGBA", compress_level=1))
+    palette = Image.new("RGB", (6000, 6000), (10, 200, 30)).convert("P", palette=Image.Palette.ADAPTIVE)
+    palette.save(uploads / "palette.png", transparency=0, compress_level=1)
+    r = subprocess.run([sys.executable, "-c", UPLOAD_RSS_SCRIPT, str(uploads), *indexes], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 14 and all(status == 200 for _, _, status, _, _ in rows), rows
+    assert max(rss for *_, rss in rows) <= 2048, rows

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Iterable, Iterator, Sequence, Union
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -90,21 +91,35 @@ def load_images(paths: Sequence[str], max_pixels: int = DEFAULT_MAX_PIXELS, min_
 
 
 def _decode_file(path: str, data: bytes, max_pixels: int, min_size: int | None) -> np.ndarray:
+    with open_image(data, path) as im:
+        if min_size and im.format == "JPEG":
+            _check_pixels(im, path, max_pixels)   # on the file's own size, before draft shrinks ``im.size``
+            im.draft(None, (min_size, min_size))
+        return _from_pil(im, path, max_pixels)
+
+
+@contextmanager
+def open_image(data: bytes, name: str, formats: Sequence[str] = _FORMATS, not_image: Optional[str] = None
+               ) -> Iterator[Image.Image]:
+    """``Image.open`` on bytes, with only ``formats``' decoders; whatever Pillow raises while the image is opened
+    or decoded inside the block becomes an ``ImageError`` naming ``name`` (``ImageError`` passes through).
+
+    The one place that knows Pillow's failure modes: an unknown format (``not_image`` says what to send instead),
+    a decompression bomb past Pillow's own limit, and truncation or corrupt data, which Pillow reports as
+    ``OSError`` ("image file is truncated", "broken data stream"), ``SyntaxError``, ``ValueError`` or ``EOFError``.
+    """
     try:
-        with Image.open(io.BytesIO(data), formats=_FORMATS) as im:
-            if min_size and im.format == "JPEG":
-                _check_pixels(im, path, max_pixels)   # on the file's own size, before draft shrinks ``im.size``
-                im.draft(None, (min_size, min_size))
-            return _from_pil(im, path, max_pixels)
+        with Image.open(io.BytesIO(data), formats=list(formats)) as im:
+            yield im
     except ImageError:
         raise
     except UnidentifiedImageError:
-        raise ImageError(path, "not an image (or a format other than " + ", ".join(_FORMATS) + ")") from None
+        raise ImageError(name, not_image or "not an image (or a format other than " + ", ".join(formats) + ")") \
+            from None
     except Image.DecompressionBombError as e:
-        raise ImageError(path, f"too many pixels ({e})") from None
+        raise ImageError(name, f"too many pixels ({e})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
-        # Pillow reports truncation and corrupt data as OSError ("image file is truncated", "broken data stream").
-        raise ImageError(path, f"cannot decode: {type(e).__name__}: {e}") from None
+        raise ImageError(name, f"cannot decode: {type(e).__name__}: {e}") from None
 
 
 def _read_whole(path: str) -> bytes:
@@ -219,14 +234,10 @@ def probe_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS, listings: dict 
 def _header(data: bytes) -> tuple[str, tuple[int, int]] | str:
     """``(format, (width, height))`` from the start of a file, or the reason it cannot be read."""
     try:
-        with Image.open(io.BytesIO(data), formats=_FORMATS) as im:
+        with open_image(data, "header", not_image="not an image") as im:
             return im.format, im.size
-    except UnidentifiedImageError:
-        return "not an image"
-    except Image.DecompressionBombError as e:
-        return f"too many pixels ({e})"
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
-        return f"unreadable header: {e}"
+    except ImageError as e:
+        return e.reason
 
 
 def _tail_check(fmt: str, tail: bytes) -> str | None:

@@ -110,6 +110,8 @@ class Service:
         self.engine.encode_text(["warm up"])
         self.engine.encode_image([np.zeros((8, 8, 3), np.uint8)])
         self.image_size = self.engine.image_input_size()
+        # A model that squashes the whole image to a square lets an upload shrink along each axis on its own.
+        self.keep_aspect = self.engine._image_encoder().preprocess.get("resize_mode", "squash") != "squash"
         self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify,
                                     cfg.float32_cache_bytes)
         self.batcher = SearchBatcher(lambda: self.watcher.current, lambda gen, q, k: gen.search(q, k))
@@ -121,7 +123,9 @@ class Service:
     # -- search ---------------------------------------------------------------------------------------------
     def check_k(self, k: int) -> int:
         if not 1 <= k <= self.cfg.max_k:
-            raise ApiError(400, f"k must be between 1 and {self.cfg.max_k}, got {k}")
+            # a 5,000-digit k is not even printable (Python refuses str() of ints over 4,300 digits)
+            shown = k if abs(k) < 10 ** 12 else f"a number of about {int(abs(k).bit_length() * 0.30103)} digits"
+            raise ApiError(400, f"k must be between 1 and {self.cfg.max_k}, got {shown}")
         return k
 
     async def search_text(self, q: Optional[str], k: int) -> dict:
@@ -162,13 +166,17 @@ class Service:
 
     def _encode_image(self, data: bytes, name: str) -> np.ndarray:
         try:
-            pixels = decode_upload(data, name, min_size=self.image_size, max_pixels=self.cfg.max_upload_pixels)
+            pixels = decode_upload(data, name, min_size=self.image_size, max_pixels=self.cfg.max_upload_pixels,
+                                   keep_aspect=self.keep_aspect)
             return self.engine.encode_image([pixels])
         except ImageError as e:
             status = 413 if "pixels" in e.reason else 415 if e.reason.startswith("not an image") else 422
             raise ApiError(status, str(e)) from None
         except InputError as e:
             raise ApiError(422, str(e)) from None
+        except MemoryError:   # the limits should prevent it; if not, this upload fails and the server goes on
+            raise ApiError(413, f"{name}: decoding this image needs more memory than the server has free; send a "
+                                f"smaller image") from None
 
     async def _results(self, features: np.ndarray, k: int, start: float, head: dict) -> dict:
         # One generation for the whole answer: ids, paths and scores agree (the batcher searched that one).
@@ -240,7 +248,9 @@ class Service:
                 "auth": "token" if self.cfg.token else "none"}
 
 
-_CACHE = {"Cache-Control": "private, max-age=3600"}   # safe: a (row, generation) pair never changes meaning
+# Cache: safe, a (row, generation) pair never changes meaning. CORP: a page of another site cannot load the indexed
+# pictures as an <img> (a server on 127.0.0.1 without a token would otherwise hand them to any page the user opens).
+_CACHE = {"Cache-Control": "private, max-age=3600", "Cross-Origin-Resource-Policy": "same-origin"}
 
 
 # -- the app ----------------------------------------------------------------------------------------------------
@@ -351,6 +361,11 @@ def _parse_json_upload(raw: bytes, k: int) -> tuple[bytes, str, int]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply: send {\"image\": \"<base64 image>\", \"k\": K}") \
+            from None
+    except ValueError:   # Python reads no integer of over 4,300 digits (a guard against quadratic-time parsing)
+        raise ApiError(400, "request body holds a number of over 4,300 digits (k must be a small integer)") from None
     if not isinstance(body, dict) or not isinstance(body.get("image"), str):
         raise ApiError(400, 'JSON body must be {"image": "<base64 image>", "k": K}')
     text = body["image"]
@@ -398,3 +413,8 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EmbeddingIndexError)
     async def index_error(request, e: EmbeddingIndexError):
         return error(400, str(e))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, e: Exception):
+        # A bug, still answered as JSON like every other error; Starlette logs the traceback.
+        return error(500, f"internal error ({type(e).__name__}); the server log has the details")

@@ -1,8 +1,9 @@
 """What the server sends and receives as pictures: thumbnails, originals, uploaded queries, attention maps.
 
 Every decode goes through ``clip_mini.data.images`` (a fixed list of decoders, a pixel limit checked before
-decoding, size-capped reads of regular files only), so an indexed file swapped for something else, or an upload
-crafted as a decompression bomb, becomes an ``ImageError`` rather than a hung or exhausted server.
+decoding, size-capped reads of regular files only, one translation of Pillow's errors), so an indexed file swapped
+for something else, or an upload crafted as a decompression bomb or as a strip a million pixels long, becomes an
+``ImageError`` rather than a hung or exhausted server.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import threading
 from typing import Optional
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from clip_mini.data.images import DEFAULT_MAX_FILE_BYTES, ImageError, load_image, open_image
 from clip_mini.fileio.bounded_read import UnreadableFileError, read_file
-from clip_mini.data.images import DEFAULT_MAX_FILE_BYTES, ImageError, load_image
 
 THUMB_PX = 256
 # Formats a browser shows as they are; an indexed TIFF or PPM is sent re-encoded as PNG. (Pillow's JPEG opener
@@ -28,6 +29,9 @@ UPLOAD_FORMATS = ["JPEG", "PNG", "GIF", "WEBP", "BMP"]
 # 36 MP (6000x6000; was 40): any phone photo; one decode holds at most ~144 MB (Pillow keeps RGB as 4 bytes a
 # pixel) and the server's image pool decodes one at a time. The working copy is then reduced (``reduced``).
 UPLOAD_MAX_PIXELS = 36_000_000
+# The longer side at most this many times the shorter: camera panoramas stay near 10:1. A strip 1 pixel wide and a
+# million long is no photo; squashed or centre-cropped for the model, a sliver of it is all the model would see.
+UPLOAD_MAX_ASPECT = 20
 
 
 def _file_key(path: str) -> tuple:
@@ -63,9 +67,9 @@ def original(path: str) -> tuple[bytes, str]:
     except OSError as e:
         raise ImageError(path, f"cannot read: {e.strerror or e}") from None
     try:
-        with Image.open(io.BytesIO(data), formats=[f for f in _BROWSER_TYPES if f != "MPO"]) as im:
+        with open_image(data, path, [f for f in _BROWSER_TYPES if f != "MPO"]) as im:
             return data, _BROWSER_TYPES[im.format]
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
+    except ImageError:   # no format a browser shows: re-encoded below, if it is an image at all
         pass
     buf = io.BytesIO()
     Image.fromarray(load_image(path)).save(buf, format="PNG")   # raises ImageError if it is no image at all
@@ -73,54 +77,53 @@ def original(path: str) -> tuple[bytes, str]:
 
 
 def decode_upload(data: bytes, name: str = "upload", min_size: Optional[int] = None,
-                  max_pixels: int = UPLOAD_MAX_PIXELS) -> np.ndarray:
-    """An uploaded query image as an (H, W, 3) uint8 RGB array (EXIF rotation applied, pixel count limited).
+                  max_pixels: int = UPLOAD_MAX_PIXELS, max_aspect: int = UPLOAD_MAX_ASPECT,
+                  keep_aspect: bool = True) -> np.ndarray:
+    """An uploaded query image as an (H, W, 3) uint8 RGB array (EXIF rotation applied, pixel count and aspect
+    ratio limited from the header, before anything is decoded).
 
-    With ``min_size`` (the model's input side) the image is decoded at reduced scale: a JPEG by libjpeg itself
-    (``draft``), any other format decoded and then box-reduced by an integer factor before it becomes an array,
-    never below twice ``min_size`` on its shorter side. A query needs a few hundred pixels a side; without this a
-    6000x6000 PNG, 35 KB on the wire, became a gigabyte of float arrays in the eval transform's resize.
+    With ``min_size`` (the model's input side) the image is decoded at reduced scale (``reduced``): a query needs a
+    few hundred pixels a side; without this a 6000x6000 PNG, 35 KB on the wire, became a gigabyte of float arrays
+    in the eval transform's resize. ``keep_aspect=False`` (a model that squashes the whole image to a square)
+    reduces each axis on its own, so a long thin image shrinks along its length too.
     """
     if not data:
         raise ImageError(name, "empty upload (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as im:
-            w, h = im.size   # from the header: nothing is decoded before this check
-            if w * h > max_pixels:
-                raise ImageError(name, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
-            return load_image(reduced(im, min_size) if min_size else im, max_pixels=max_pixels)
-    except ImageError:
-        raise
-    except UnidentifiedImageError:
-        raise ImageError(name, "not an image (send " + ", ".join(UPLOAD_FORMATS) + ")") from None
-    except Image.DecompressionBombError as e:
-        raise ImageError(name, f"too many pixels ({e})") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
-        raise ImageError(name, f"cannot decode: {type(e).__name__}: {e}") from None
+    with open_image(data, name, UPLOAD_FORMATS, "not an image (send " + ", ".join(UPLOAD_FORMATS) + ")") as im:
+        w, h = im.size   # from the header: nothing is decoded before these checks
+        if w * h > max_pixels:
+            raise ImageError(name, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
+        if max(w, h) > max_aspect * min(w, h):
+            raise ImageError(name, f"{w}x{h}: the longer side is more than {max_aspect} times the shorter, the "
+                                   f"limit for a query image (aspect ratio {max_aspect}:1); crop it")
+        return load_image(reduced(im, min_size, keep_aspect) if min_size else im, max_pixels=max_pixels)
 
 
 # Modes whose values are not intensities (palette indices, 1-bit) or that ``reduce`` refuses: converted first.
 _BEFORE_REDUCE = {"1": "L", "P": "RGB", "PA": "RGBA", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
 
 
-def reduced(im: Image.Image, min_size: int) -> Image.Image:
-    """``im`` decoded at the smallest scale that keeps its shorter side at least ``2 * min_size``.
+def reduced(im: Image.Image, min_size: int, keep_aspect: bool = True) -> Image.Image:
+    """``im`` decoded at about the smallest scale that keeps each side at least ``2 * min_size``.
 
-    A JPEG is decoded at 1/2, 1/4 or 1/8 scale by libjpeg (``draft``); then any image whose shorter side is at
-    least four times ``min_size`` is box-averaged by an integer factor (``Image.reduce``), so
-    the eval transform's own resize only sees a few hundred pixels a side. Box averaging followed by that area
-    resize is area averaging, up to rounding, so the query embedding is the full decode's to within that. The
-    result keeps the file's EXIF (Pillow copies ``info``), so ``load_image`` still turns it upright.
+    A JPEG is decoded at 1/2, 1/4 or 1/8 scale by libjpeg (``draft``); then the image is box-averaged by an integer
+    factor (``Image.reduce``), so the eval transform's own resize only sees a few hundred pixels a side. With
+    ``keep_aspect`` one factor, from the shorter side, serves both axes (a centre crop needs the true proportions);
+    without it each axis gets its own, and a 300 x 6,000 strip becomes 300 x 461 for a 224-pixel model. Box averaging
+    followed by that area resize is area averaging, up to rounding, so the query embedding is the full decode's
+    to within that. The result keeps the file's EXIF (Pillow copies ``info``), so ``load_image`` still turns it
+    upright.
     """
     target = 2 * min_size
     if im.format == "JPEG":
         im.draft(None, (target, target))
-    factor = min(im.size) // target
-    if factor < 2:
+    w, h = im.size
+    fx, fy = (max(1, min(w, h) // target),) * 2 if keep_aspect else (max(1, w // target), max(1, h // target))
+    if fx < 2 and fy < 2:
         return im
     if im.mode in _BEFORE_REDUCE:
         im = im.convert("RGBA" if im.mode == "P" and "transparency" in im.info else _BEFORE_REDUCE[im.mode])
-    return im.reduce(factor)
+    return im.reduce((fx, fy))
 
 
 class AttentionRenderer:

@@ -34,15 +34,15 @@ def exposure(host: str, token: str | None, no_auth: bool) -> tuple[str | None, s
     print (None on loopback).
 
     Raises:
-        ServeError: a non-loopback host with neither a token nor ``--no-auth``, both at once, or a short token.
+        ServeError: a non-loopback host with neither a token nor ``--no-auth``, both at once, or a token no client
+            could send (``check_token``).
     """
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
     if token is not None and no_auth:
         raise ServeError(f"--no-auth contradicts the token given (--token or ${TOKEN_ENV}): pass one of them")
-    if token is not None and len(token) < MIN_TOKEN_CHARS:
-        raise ServeError(f"the token is {len(token)} characters long; use at least {MIN_TOKEN_CHARS}, e.g. from "
-                         "python -c 'import secrets; print(secrets.token_urlsafe(24))'")
+    if token is not None:
+        check_token(token)
     if is_loopback(host):
         return token, None
     if token is None and not no_auth:
@@ -53,6 +53,25 @@ def exposure(host: str, token: str | None, no_auth: bool) -> tuple[str | None, s
                       "port can search the index and download its images")
     return token, (f"warning: serving on {host}, reachable from other machines; requests need the token, which "
                    "plain HTTP carries unencrypted: put a TLS proxy in front outside a trusted network")
+
+
+def check_token(token: str) -> None:
+    """Refuse a token no client could send back: HTTP headers carry ASCII (a non-ASCII token never matches), and a
+    request's header value loses its surrounding whitespace (a token of spaces, or ending in one, never matches).
+
+    Raises:
+        ServeError: the token is short, not printable ASCII, or has whitespace at either end.
+    """
+    hint = "e.g. from python -c 'import secrets; print(secrets.token_urlsafe(24))'"
+    if not (token.isascii() and token.isprintable()):
+        at = next(i for i, c in enumerate(token) if not (c.isascii() and c.isprintable()))
+        raise ServeError(f"the token has a non-ASCII or control character (at position {at + 1}), which HTTP "
+                         f"headers cannot carry: use printable ASCII only, {hint}")
+    if token != token.strip():
+        raise ServeError(f"the token {'is only' if not token.strip() else 'starts or ends with'} whitespace, which "
+                         f"HTTP drops from a header: use a token without it, {hint}")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ServeError(f"the token is {len(token)} characters long; use at least {MIN_TOKEN_CHARS}, {hint}")
 
 
 def allowed_hosts(host: str) -> list[str]:
