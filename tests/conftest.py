@@ -56,6 +56,28 @@ def write_images(folder: Path, n: int, seed: int = 0, size: int = 24, prefix: st
     return paths
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_test_ledger(tmp_path_factory):
+    """No test writes the repository's test ledger: test scorings in this session land in a scratch file (a test
+    that reads its lines takes ``ledger_path``). In-process only: a test that scores test in a child process
+    patches the child itself."""
+    import clip_mini.eval.ledger as ledger
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ledger, "LEDGER", tmp_path_factory.mktemp("ledger") / "test_ledger.jsonl")
+        yield
+
+
+@pytest.fixture
+def ledger_path(tmp_path, monkeypatch) -> Path:
+    """A fresh test ledger for one test (``clip_mini.eval.ledger.LEDGER`` points at it)."""
+    import clip_mini.eval.ledger as ledger
+
+    path = tmp_path / "ledger" / "test_ledger.jsonl"
+    monkeypatch.setattr(ledger, "LEDGER", path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def shapes_dir(tmp_path_factory) -> Path:
     from clip_mini.data.synthetic import generate

@@ -13,15 +13,11 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import DeviceError
 
 DeviceArg = Union[str, torch.device, None]
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
-
-
-class DeviceError(ClipMiniError, ValueError):
-    """A device that does not exist here (e.g. ``cuda`` on a machine without a GPU) or is misspelled."""
 
 
 def resolve_device(device: DeviceArg = "auto") -> torch.device:
