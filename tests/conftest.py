@@ -30,6 +30,16 @@ def tiny_model_config(**changes):
     return from_dict(ModelConfig, {**TINY, **changes})
 
 
+def tiny_sets(**changes) -> list[str]:
+    """``tiny_model_config(**changes)`` as config overrides (``model.vision.width=64``, ...) for ``load_config``
+    or ``--set``; settings of the test's own follow them (a later override of a key wins)."""
+    sets = []
+    for key, value in {**TINY, **changes}.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        sets += [f"model.{key}{'' if k is None else '.' + k}={'null' if v is None else v}" for k, v in items]
+    return sets
+
+
 def make_model_dir(out: Path, seed: int = 0, captions=None, **changes) -> Path:
     """An untrained tiny model saved as a model directory."""
     import torch

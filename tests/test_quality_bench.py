@@ -21,13 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.quality import openclip_peer  # noqa: E402
 from benchmarks.quality import quality_flickr8k as qf  # noqa: E402
+from conftest import tiny_sets  # noqa: E402
 
 TOLERANCE_S = 10   # process exits and the final JSON write, after the last clock the benchmark reads
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
-        "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=128", "model.text.vocab_size=300", "model.text.max_length=16", "model.embed_dim=32",
-        "train.batch_size=32", "train.log_every=2", "train.warmup_steps=10", "train.threads=1",
-        "train.eval_batch_size=64", "data.workers=0", "data.val=30", "data.test=30"]
+TINY = tiny_sets() + ["train.batch_size=32", "train.log_every=2", "train.warmup_steps=10", "train.threads=1",
+                      "train.eval_batch_size=64", "data.workers=0", "data.val=30", "data.test=30"]
 TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 
