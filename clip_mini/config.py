@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from clip_mini.errors import ClipMiniError
-
-
-class ConfigError(ClipMiniError, ValueError):
-    """A config file, key or value is wrong; the message names the key."""
+from clip_mini.errors import ConfigError
 
 
 @dataclass

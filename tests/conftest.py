@@ -30,6 +30,16 @@ def tiny_model_config(**changes):
     return from_dict(ModelConfig, {**TINY, **changes})
 
 
+def tiny_sets(**changes) -> list[str]:
+    """``tiny_model_config(**changes)`` as config overrides (``model.vision.width=64``, ...) for ``load_config``
+    or ``--set``; settings of the test's own follow them (a later override of a key wins)."""
+    sets = []
+    for key, value in {**TINY, **changes}.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        sets += [f"model.{key}{'' if k is None else '.' + k}={'null' if v is None else v}" for k, v in items]
+    return sets
+
+
 def make_model_dir(out: Path, seed: int = 0, captions=None, **changes) -> Path:
     """An untrained tiny model saved as a model directory."""
     import torch
@@ -54,6 +64,28 @@ def write_images(folder: Path, n: int, seed: int = 0, size: int = 24, prefix: st
         Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(p)
         paths.append(p)
     return paths
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_test_ledger(tmp_path_factory):
+    """No test writes the repository's test ledger: test scorings in this session land in a scratch file (a test
+    that reads its lines takes ``ledger_path``). In-process only: a test that scores test in a child process
+    patches the child itself."""
+    import clip_mini.eval.ledger as ledger
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ledger, "LEDGER", tmp_path_factory.mktemp("ledger") / "test_ledger.jsonl")
+        yield
+
+
+@pytest.fixture
+def ledger_path(tmp_path, monkeypatch) -> Path:
+    """A fresh test ledger for one test (``clip_mini.eval.ledger.LEDGER`` points at it)."""
+    import clip_mini.eval.ledger as ledger
+
+    path = tmp_path / "ledger" / "test_ledger.jsonl"
+    monkeypatch.setattr(ledger, "LEDGER", path)
+    return path
 
 
 @pytest.fixture(scope="session")

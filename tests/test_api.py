@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 import clip_mini
-from clip_mini.config import ModelConfig, TextConfig, VisionConfig
 from clip_mini.model.clip import CLIPModel
+from conftest import tiny_model_config
 
 CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a yellow star"]
 
@@ -17,10 +17,8 @@ CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangle
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = ModelConfig(vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=1, heads=2),
-                      text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=200), embed_dim=16)
     out = tmp_path_factory.mktemp("m") / "model"
-    CLIPModel.build(cfg, captions=CAPTIONS * 4).save_pretrained(out)
+    CLIPModel.build(tiny_model_config(embed_dim=16), captions=CAPTIONS * 4).save_pretrained(out)
     return clip_mini.load(out, device="cpu", batch_size=3)
 
 

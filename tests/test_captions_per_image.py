@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from clip_mini.config import ConfigError, load_config
 from clip_mini.model.loss import clip_loss, multi_positive_nll, siglip_loss
 from clip_mini.train import text_cache
+from conftest import tiny_sets
 
 
 def _features(n, d=8, seed=0):
@@ -79,12 +80,8 @@ def test_collate_brings_the_drawn_caption_then_the_images_next_ones():
 
 
 def _config(shapes, out_dir, *extra):
-    return load_config(None, [
-        "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
-        "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
-        "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
-        "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
-        "train.device=cpu",
+    return load_config(None, tiny_sets() + [
+        "model.text.trainable=false", "data.val=8", "train.device=cpu",
         "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1", "train.precision=fp32",
         "model.vision.dropout=0", "model.head_dropout=0", "train.captions_per_image=3",
         f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={out_dir}", *extra])

@@ -48,17 +48,23 @@ def test_train_print_config_and_key_suggestions(tmp_path, capsys):
     assert code == 2 and str(bad) in err and "unknown config key data.captoins; did you mean data.captions?" in err
 
 
-def test_eval_defaults_to_val_without_a_test_split_and_says_so(model_dir, shapes_dir, tmp_path, capsys):
+def test_eval_defaults_to_val_and_says_so(model_dir, shapes_dir, tmp_path, ledger_path, capsys):
     cfg = tmp_path / "shapes.yaml"
-    cfg.write_text(yaml.safe_dump({"data": {"captions": str(shapes_dir / "captions.csv"), "val": 20, "test": 0,
-                                            "cache": False}}))
-    code, out, err = _run(["eval", "--model", str(model_dir), "--data", str(cfg), "--json"], capsys)
-    assert code == 0, err
-    assert json.loads(out)["split"] == "val" and "no --split given: scoring the val split" in err
-    cfg.write_text(yaml.safe_dump({"data": {"captions": str(shapes_dir / "captions.csv"), "val": 20, "test": 20,
-                                            "cache": False}}))
-    code, out, err = _run(["eval", "--model", str(model_dir), "--data", str(cfg), "--json", "--quiet"], capsys)
+    for test in (0, 20):   # a config with a test split too: test is scored only when named
+        cfg.write_text(yaml.safe_dump({"data": {"captions": str(shapes_dir / "captions.csv"), "val": 20,
+                                                "test": test, "cache": False}}))
+        code, out, err = _run(["eval", "--model", str(model_dir), "--data", str(cfg), "--json"], capsys)
+        assert code == 0, err
+        assert json.loads(out)["split"] == "val" and "no --split given: scoring the val split" in err
+    assert not ledger_path.exists()
+    code, out, err = _run(["eval", "--model", str(model_dir), "--data", str(cfg), "--json", "--quiet", "--split",
+                           "test"], capsys)
     assert code == 0 and json.loads(out)["split"] == "test" and err == ""
+    assert [line["status"] for line in _ledger_lines(ledger_path)] == ["done"]
+
+
+def _ledger_lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def test_quiet_index_writes_no_progress_and_captions_file_is_indexed(model_dir, shapes_dir, tmp_path, capsys):

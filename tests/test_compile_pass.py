@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from clip_mini.model.layers.compile_pass import CompiledPass
-from clip_mini.config import VisionConfig, load_config
+from clip_mini.config import load_config
 from clip_mini.train import frozen as frozen_io
 from clip_mini.train.optim import freeze_towers
 from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
 
 from test_train_frozen import _model
+from conftest import tiny_model_config
 from test_train_loop import TINY, shapes  # noqa: F401 (fixture)
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -22,8 +23,7 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which
 
 def _tower():
     torch.manual_seed(0)
-    cfg = VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2)
-    return inference_tower(ImageEncoder(cfg).eval(), "bf16")
+    return inference_tower(ImageEncoder(tiny_model_config().vision).eval(), "bf16")
 
 
 class _Spy:

@@ -21,16 +21,14 @@ from safetensors.torch import load_file
 import clip_mini
 from clip_mini.cli.main import main
 from clip_mini.config import load_config
+from conftest import tiny_sets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device here (torch.cuda.is_available() is False)")
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
-        "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=128", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=32",
-        "data.val=40", "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=3", "train.log_every=1",
-        "train.eval_batch_size=64", "train.epochs=1", "train.device=cuda"]
+TINY = tiny_sets() + ["data.val=40", "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=3",
+                      "train.log_every=1", "train.eval_batch_size=64", "train.epochs=1", "train.device=cuda"]
 REPORT: dict = {}   # filled by the tests, printed by the last one
 
 

@@ -1,75 +1,142 @@
-"""The test-split ledger (benchmarks/lib/ledger.py): atomic appends, a reader that names a bad line, and a
-back-fill that holds every quality JSON with test numbers."""
+"""The test-split ledger (clip_mini/eval/ledger.py): each scoring's line is written before the body that scores
+runs and completed after it (done, failed, or left as ``scoring`` by a killed process), nested scorings are one
+line, appends are atomic, the reader names a bad line, and the repository's ledger holds every quality JSON with
+test numbers."""
 import json
 import multiprocessing
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
+from clip_mini.errors import LedgerError
+from clip_mini.eval import ledger
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.lib import ledger  # noqa: E402
-
+REPOSITORY_LEDGER = ROOT / "benchmarks/results/quality/test_ledger.jsonl"
 TEST = {"best": {"t2i_r5": 0.5, "i2t_r5": 0.6}}
 
 
-def test_append_then_read_back(tmp_path):
-    path = tmp_path / "q" / "ledger.jsonl"
-    a = ledger.append_test_scoring(variant="vit", test=TEST, source=tmp_path / "r.json", config="configs/x.yaml",
-                                   config_hash=ledger.config_hash({"train": {"epochs": 3}}), ledger=path)
-    ledger.append_test_scoring(variant="d", test=TEST, source="benchmarks/results/quality/d.json", commit=None,
-                               cpu={"model": "AMD EPYC", "amx": False}, date="2026-12-01", ledger=path)
-    recs = ledger.read_ledger(path)
-    assert [r["variant"] for r in recs] == ["vit", "d"] and recs[0] == a
-    assert a["date"] and a["cpu"]["model"] and isinstance(a["cpu"]["amx"], bool)   # this machine, now
-    assert a["config_hash"] == ledger.config_hash({"train": {"epochs": 3}}) != ledger.config_hash({"train": {}})
-    assert recs[1]["commit"] is None and recs[1]["source"] == "benchmarks/results/quality/d.json"
-    assert len(path.read_text().splitlines()) == 2
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_commit_is_git_head(tmp_path):
-    rec = ledger.append_test_scoring(variant="v", test=TEST, source="s.json", ledger=tmp_path / "l.jsonl")
-    assert rec["commit"] is None or len(rec["commit"].split("-")[0]) == 40
+def test_the_line_is_written_before_the_body_and_completed_after(ledger_path):
+    with ledger.record_test_scoring(variant="vit", source="bench.py --final", config="configs/x.yaml",
+                                    config_hash=ledger.config_hash({"train": {"epochs": 3}})) as line:
+        (during,) = _lines(ledger_path)   # the look is on record before anything is scored
+        assert during["status"] == "scoring" and during["test"] is None and during["id"] == line.id
+        line.test, line.test_images = TEST, 30
+    (after,) = ledger.read_ledger()
+    assert after["status"] == "done" and after["test"] == TEST and after["test_images"] == 30
+    assert after["id"] == during["id"] and after["date"] == during["date"] and after["scoring_s"] >= 0
+    assert after["variant"] == "vit" and after["source"] == "bench.py --final" and after["config"] == "configs/x.yaml"
+    assert after["config_hash"] == ledger.config_hash({"train": {"epochs": 3}}) != ledger.config_hash({"train": {}})
+    assert after["cpu"]["model"] and isinstance(after["cpu"]["amx"], bool)   # this machine, now
+    assert after["commit"] is None or len(after["commit"].split("-")[0]) == 40
 
 
-def test_needs_variant_and_numbers(tmp_path):
-    for kw in ({"variant": "", "test": TEST}, {"variant": "v", "test": {}}):
-        with pytest.raises(ValueError):
-            ledger.append_test_scoring(source="s.json", ledger=tmp_path / "l.jsonl", **kw)
-    assert not (tmp_path / "l.jsonl").exists()
+def test_a_scoring_that_raises_leaves_a_failed_line_and_the_error_goes_on(ledger_path):
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with ledger.record_test_scoring(variant="v", source="s") as line:
+            line.test = {"best": {"t2i_r5": 0.4}}   # best/ was scored, final/ was not
+            raise RuntimeError("out of memory")
+    (rec,) = ledger.read_ledger()
+    assert rec["status"] == "failed" and rec["error"] == "RuntimeError: out of memory"
+    assert rec["test"] == {"best": {"t2i_r5": 0.4}}
 
 
-def test_a_torn_line_is_named_and_the_next_append_starts_a_new_line(tmp_path):
-    path = tmp_path / "l.jsonl"
-    ledger.append_test_scoring(variant="a", test=TEST, source="s.json", commit=None, ledger=path)
-    with open(path, "a") as f:
+def test_a_killed_scoring_leaves_its_line(ledger_path):
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from pathlib import Path
+        from clip_mini.eval import ledger
+        ledger.LEDGER = Path(sys.argv[1])
+        with ledger.record_test_scoring(variant="killed", source="s") as line:
+            os.kill(os.getpid(), signal.SIGKILL)   # mid-scoring: no exit handler, no finally
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(ledger_path)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    (rec,) = ledger.read_ledger()
+    assert rec["variant"] == "killed" and rec["status"] == "scoring" and rec["test"] is None
+
+
+def test_a_scoring_inside_another_is_the_same_look(ledger_path):
+    with ledger.record_test_scoring(variant="outer", source="s") as outer:
+        for which in ("best", "final"):
+            with ledger.record_test_scoring(variant=f"models/{which}", source="clip-mini eval") as inner:
+                assert inner.id is None
+                inner.test = {"model": {"t2i_r5": 0.1}}   # goes nowhere: the outer line stands for it
+            outer.test[which] = {"t2i_r5": 0.5}
+    (rec,) = ledger.read_ledger()
+    assert rec["variant"] == "outer" and rec["test"] == {"best": {"t2i_r5": 0.5}, "final": {"t2i_r5": 0.5}}
+    with ledger.record_test_scoring(variant="next", source="s"):   # closed: the next scoring has its own line
+        pass
+    assert [r["variant"] for r in ledger.read_ledger()] == ["outer", "next"]
+
+
+def test_numpy_numbers_and_a_diverged_loss_are_written_as_json(ledger_path):
+    import numpy as np
+
+    with ledger.record_test_scoring(variant="v", source="s") as line:
+        line.test = {"best": {"t2i_r5": np.float32(0.5), "loss": float("nan")}}
+        line.test_images = np.int64(30)
+    (rec,) = ledger.read_ledger()
+    assert rec["status"] == "done" and rec["test"] == {"best": {"t2i_r5": 0.5, "loss": None}}
+    assert rec["test_images"] == 30
+
+
+def test_needs_a_variant(ledger_path):
+    with pytest.raises(ValueError, match="variant"):
+        with ledger.record_test_scoring(variant="", source="s"):
+            pass
+    assert not ledger_path.exists()
+
+
+def test_a_torn_line_is_named_and_kept_and_the_next_line_starts_a_new_line(ledger_path):
+    ledger.append_line({"variant": "a", "test": TEST})
+    with open(ledger_path, "a") as f:
         f.write('{"variant": "b", "te')          # a writer killed mid-line
-    with pytest.raises(ledger.LedgerError, match=r"l\.jsonl:2: not a JSON line"):
-        ledger.read_ledger(path)
-    ledger.append_test_scoring(variant="c", test=TEST, source="s.json", commit=None, ledger=path)
-    lines = path.read_text().splitlines()
-    assert len(lines) == 3 and json.loads(lines[2])["variant"] == "c"
+    with pytest.raises(LedgerError, match=r"test_ledger\.jsonl:2: not a JSON line"):
+        ledger.read_ledger()
+    with ledger.record_test_scoring(variant="c", source="s") as line:
+        line.test = TEST
+    lines = ledger_path.read_text().splitlines()
+    assert len(lines) == 3 and lines[1] == '{"variant": "b", "te' and json.loads(lines[2])["status"] == "done"
 
 
-def _append(args):
+def test_a_line_that_is_not_a_scoring_is_named(ledger_path):
+    ledger_path.parent.mkdir(parents=True)
+    ledger_path.write_text('{"variant": "a", "test": {}}\n[1, 2]\n')
+    with pytest.raises(LedgerError, match=r"test_ledger\.jsonl:2: not a test scoring"):
+        ledger.read_ledger()
+
+
+def _score(args):
     path, i = args
-    ledger.append_test_scoring(variant=f"v{i}", test={"best": {"x": "y" * 5000}}, source="s.json", commit=None,
-                               cpu={"model": None, "amx": None}, date=None, ledger=path)
+    ledger.LEDGER = Path(path)
+    with ledger.record_test_scoring(variant=f"v{i}", source="s") as line:
+        line.test = {"best": {"x": "y" * 5000}}
 
 
-def test_concurrent_appends_from_processes_keep_whole_lines(tmp_path):
-    path = tmp_path / "l.jsonl"
+def test_concurrent_scorings_from_processes_keep_whole_lines(ledger_path):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
-        pool.map(_append, [(path, i) for i in range(24)])
-    assert sorted(r["variant"] for r in ledger.read_ledger(path)) == sorted(f"v{i}" for i in range(24))
+        pool.map(_score, [(str(ledger_path), i) for i in range(24)])
+    recs = ledger.read_ledger()
+    assert sorted(r["variant"] for r in recs) == sorted(f"v{i}" for i in range(24))
+    assert {r["status"] for r in recs} == {"done"}
+
+
+def test_the_ledger_is_the_repositorys_in_a_checkout():
+    assert ledger._location() == REPOSITORY_LEDGER
 
 
 def test_the_ledger_holds_every_quality_json_with_test_numbers():
-    recs = ledger.read_ledger(ledger.LEDGER)
+    recs = ledger.read_ledger(REPOSITORY_LEDGER)
     seen = {(r["source"], r["variant"]) for r in recs}
-    for path in sorted(ledger.QUALITY.glob("quality_flickr8k_*.json")):
+    for path in sorted(REPOSITORY_LEDGER.parent.glob("quality_flickr8k_*.json")):
         report = json.loads(path.read_text())
         for r in report["results"]:
             if report.get("reported_split") == "test" and r.get("best", {}).get("test"):

@@ -6,23 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from clip_mini.config import ModelConfig, TextConfig, VisionConfig
+from clip_mini.config import VisionConfig
 from clip_mini.model.clip import CLIPModel, ModelDirError, ProjectionHead, read_manifest
 from clip_mini.model.vision import ImageEncoder, WeightsError
+from conftest import tiny_model_config
 
 CAPTIONS = ["a red circle", "a blue square at the top left", "two green triangles", "a yellow star on the right"]
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    return ModelConfig(vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2),
-                       text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=200),
-                       embed_dim=16, **kw)
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return CLIPModel.build(tiny_cfg(), captions=CAPTIONS * 4).eval()
+    return CLIPModel.build(tiny_model_config(embed_dim=16), captions=CAPTIONS * 4).eval()
 
 
 def test_output_shapes_and_normalisation(model):
@@ -108,7 +103,7 @@ def test_every_parameter_gets_a_finite_gradient():
     from clip_mini.model.loss import clip_loss
 
     torch.manual_seed(0)
-    m = CLIPModel.build(tiny_cfg(), captions=CAPTIONS * 4).train()
+    m = CLIPModel.build(tiny_model_config(embed_dim=16), captions=CAPTIONS * 4).train()
     tok = m.tokenize(CAPTIONS)
     img = m.encode_image(torch.randn(4, 3, 32, 32))
     txt = m.encode_text(tok["input_ids"], tok["attention_mask"])

@@ -21,13 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.quality import openclip_peer  # noqa: E402
 from benchmarks.quality import quality_flickr8k as qf  # noqa: E402
+from conftest import tiny_sets  # noqa: E402
 
 TOLERANCE_S = 10   # process exits and the final JSON write, after the last clock the benchmark reads
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
-        "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=128", "model.text.vocab_size=300", "model.text.max_length=16", "model.embed_dim=32",
-        "train.batch_size=32", "train.log_every=2", "train.warmup_steps=10", "train.threads=1",
-        "train.eval_batch_size=64", "data.workers=0", "data.val=30", "data.test=30"]
+TINY = tiny_sets() + ["train.batch_size=32", "train.log_every=2", "train.warmup_steps=10", "train.threads=1",
+                      "train.eval_batch_size=64", "data.workers=0", "data.val=30", "data.test=30"]
 TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 
@@ -95,25 +93,46 @@ def _has_numbers(scores: dict) -> bool:
     return all(isinstance(scores[k], float) and 0 <= scores[k] <= 1 for k in ("t2i_r1", "t2i_r5", "i2t_r10"))
 
 
-def test_races_report_val_only_and_final_scores_test_once_into_the_ledger(shapes, tmp_path):
+def _bench_here(shapes: Path, tmp_path: Path, variants: str, minutes: float, capsys, *args: str
+                ) -> tuple[dict, str]:
+    """``_bench`` in this process, so that its test scorings go to this test's ledger (``ledger_path``)."""
+    result = tmp_path / "quality.json"
+    argv = ["--variants", variants, "--budget-min", str(minutes), "--captions", str(shapes), "--out",
+            str(tmp_path / "runs"), "--result", str(result), *args]
+    qf.main(argv + [a for s in TINY + [f"data.cache_dir={tmp_path / 'cache'}"] for a in ("--set", s)])
+    return json.loads(result.read_text()), capsys.readouterr().out
+
+
+def test_races_report_val_only_and_final_scores_test_once_into_the_ledger(shapes, tmp_path, ledger_path, capsys,
+                                                                          monkeypatch):
     # --epochs 1: the flag is what is tested here, not the budget (below)
-    ledger = tmp_path / "ledger.jsonl"
-    report, proc = _bench(shapes, tmp_path, "a", 1.0, "--epochs", "1", "--ledger", str(ledger))
-    assert report["reported_split"] == "val" and "VAL split" in proc.stdout and "TEST" not in proc.stdout
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    report, stdout = _bench_here(shapes, tmp_path, "a", 1.0, capsys, "--epochs", "1")
+    assert report["reported_split"] == "val" and "VAL split" in stdout and "TEST" not in stdout
     (r,) = report["results"]
     assert "error" not in r, r
     assert not {"test", "test_images"} & (r["best"].keys() | r["final"].keys()) and "test_score_s" not in r
     assert _has_numbers(r["best"]["val"]) and _has_numbers(r["final"]["val"])
-    assert not ledger.exists()   # the test split was not read
-    report, proc = _bench(shapes, tmp_path, "a", 1.0, "--epochs", "1", "--ledger", str(ledger), "--final")
-    assert report["reported_split"] == "test" and "TEST split" in proc.stdout
+    assert not ledger_path.exists()   # the test split was not read
+    seen = []
+    scoring = qf.score_best_and_final
+    monkeypatch.setattr(qf, "score_best_and_final",
+                        lambda run: seen.append(ledger_path.read_text()) or scoring(run))
+    report, stdout = _bench_here(shapes, tmp_path, "a", 1.0, capsys, "--epochs", "1", "--final")
+    assert report["reported_split"] == "test" and "TEST split" in stdout
     (r,) = report["results"]
     for which in ("best", "final"):
         assert _has_numbers(r[which]["test"]) and r[which]["test_images"] == 30, which
-    (line,) = [json.loads(x) for x in ledger.read_text().splitlines()]   # one scoring, one line
+    (before,) = [json.loads(x) for x in seen[0].splitlines()]   # on record before test was read
+    assert before["variant"] == "a" and before["status"] == "scoring" and before["test"] is None
+    (line,) = [json.loads(x) for x in ledger_path.read_text().splitlines()]   # one scoring, one line
     assert line["variant"] == "a" and line["test"]["best"] == r["best"]["test"] and line["test_images"] == 30
+    assert line["status"] == "done" and line["id"] == before["id"]
     assert len(line["config_hash"]) == 64 and line["date"] and line["cpu"]["model"]
     assert line["commit"] is None or len(line["commit"].split("-")[0]) == 40
+    assert report["ledger"] == os.path.relpath(ledger_path, ROOT)   # the report names the one ledger
+    with pytest.raises(SystemExit):   # no option points the scorings elsewhere
+        qf.main(["--ledger", str(tmp_path / "elsewhere.jsonl")])
 
 
 @pytest.mark.slow
@@ -142,3 +161,32 @@ def test_openclip_peer_reports_val_and_test_within_budget(shapes, tmp_path):
     for which in ("best", "final"):
         assert _has_numbers(r[which]["val"]) and "test" not in r[which], which   # a race: val only
     assert r["steps_done"] >= openclip_peer.TIMED_STEPS and r["epochs_done"] >= 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("open_clip") is None, reason="open_clip_torch (extra bench) missing")
+def test_openclip_peer_final_scores_test_inside_its_ledger_line(shapes, tmp_path, ledger_path, monkeypatch):
+    """The peer's --final scores test in its own process: that process writes the line, before the scoring."""
+    import torch
+
+    cfg = load_config(None, TINY + [f"data.captions={shapes}", "data.cache=false"])
+    seen, real = [], openclip_peer.evaluate
+
+    def evaluate(model, df, **kw):
+        seen.append([line["status"] for line in _ledger_lines(ledger_path)])
+        return real(model, df, **kw)
+
+    monkeypatch.setattr(openclip_peer, "evaluate", evaluate)
+    threads = torch.get_num_threads()
+    try:   # a budget already spent: one step, one val evaluation, then the test scoring of best and final
+        result = openclip_peer.train_peer(cfg, budget_s=1.0, final=True, config="configs/peer.yaml")
+    finally:
+        torch.set_num_threads(threads)
+    assert seen[0] == [] and seen[-1] == ["scoring"]   # val before the line; test inside it
+    (line,) = _ledger_lines(ledger_path)
+    assert line["variant"] == "openclip" and line["status"] == "done" and line["config"] == "configs/peer.yaml"
+    assert line["test"] == {"best": result["best"]["test"], "final": result["final"]["test"]}
+    assert line["test_images"] == 30 and line["source"] == "benchmarks/quality/openclip_peer.py --final"
+
+
+def _ledger_lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []

@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 from clip_mini.cli.main import main
-from conftest import write_images
+from conftest import tiny_sets, write_images
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -450,10 +450,7 @@ def test_train_index_search_without_network(no_network, tmp_path, capsys, monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     data = generate(tmp_path / "shapes", n=100, seed=0, size=32)
     run = tmp_path / "run"
-    tiny = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
-            "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
-            "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
-            "model.text.max_length=16", "model.embed_dim=16", "train.batch_size=16", "train.max_steps=3",
+    tiny = tiny_sets() + ["train.batch_size=16", "train.max_steps=3",
             "train.epochs=1", "train.warmup_steps=1", "train.precision=fp32", "train.threads=1",
             "train.eval_batch_size=64", "data.val=10", f"data.captions={data / 'captions.csv'}",
             f"data.cache_dir={tmp_path / 'cache'}", f"train.out_dir={run}"]

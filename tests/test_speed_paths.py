@@ -1,6 +1,7 @@
 """The speed paths compute what the plain ones do: plain vs fused attention, bf16-weight towers, bf16 indexing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -8,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clip_mini.config import ModelConfig, TextConfig, VisionConfig
+from clip_mini.config import VisionConfig
 from clip_mini.model.layers.kernels import fused_attention
 from clip_mini.model.clip import CLIPModel
 from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
+from conftest import tiny_model_config, tiny_sets
 
-VIT = VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2)
+VIT = tiny_model_config().vision
 EFFNET = VisionConfig(backbone="efficientnet_lite0", image_size=64, trainable=False)
 
 
@@ -28,8 +30,7 @@ def test_kernel_choice_plain_for_cpu_graphs_fused_for_inference():
 
 def test_towers_switch_kernels_and_give_the_same_features():
     torch.manual_seed(0)
-    model = CLIPModel(ModelConfig(vision=VIT, text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64,
-                                                              dropout=0.0)), vocab_size=50).eval()
+    model = CLIPModel(tiny_model_config(), vocab_size=50).eval()
     pixels, ids = torch.randn(3, 3, 32, 32), torch.randint(5, 50, (3, 7))
     mask = torch.ones_like(ids)
     mask[0, 4:] = 0   # padding goes through the plain path's mask too
@@ -76,8 +77,7 @@ def test_bf16_indexing_rows_within_1e2_cosine_of_fp32(tmp_path):
         paths.append(str(tmp_path / f"{i}.jpg"))
         img.save(paths[-1], quality=90)
     torch.manual_seed(0)
-    model = CLIPModel(ModelConfig(vision=VIT, text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)),
-                      vocab_size=50)
+    model = CLIPModel(tiny_model_config(), vocab_size=50)
     embedder = Embedder(model, device="cpu")
 
     def rows(precision: str) -> np.ndarray:
@@ -108,8 +108,7 @@ def test_bf16_indexing_loader_feeds_the_tower_the_same_pixels(tmp_path, cfg):
         paths.append(str(tmp_path / f"{i}.jpg"))
         Image.fromarray(rng.integers(0, 255, (6, 8, 3), dtype=np.uint8)).resize((120, 90)).save(paths[-1])
     torch.manual_seed(0)
-    model = CLIPModel(ModelConfig(vision=cfg, text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64)),
-                      vocab_size=50).eval()
+    model = CLIPModel(dataclasses.replace(tiny_model_config(), vision=cfg), vocab_size=50).eval()
     embedder = Embedder(model, device="cpu")
     rows = np.concatenate([f for _, f, _ in iter_image_features(embedder, paths, batch_size=3, precision="bf16",
                                                                  progress=False)])
@@ -126,10 +125,7 @@ def test_train_reports_where_its_time_went(tmp_path):
     from clip_mini.train import train
 
     shapes = generate(tmp_path / "shapes", n=60, seed=0, size=32)
-    cfg = load_config(None, [
-        "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
-        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=64", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=16",
+    cfg = load_config(None, tiny_sets() + [
         "data.val=12", "train.batch_size=16", "train.epochs=1", "train.threads=1", "train.eval_batch_size=64",
         f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={tmp_path / 'run'}"])
     result = train(cfg)

@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 
-from clip_mini.config import ModelConfig, TextConfig, VisionConfig
+from clip_mini.config import TextConfig
 from clip_mini.model.clip import CLIPModel
 from clip_mini.train import text_cache
+from conftest import TINY, tiny_model_config, tiny_sets
 
 
 def _model():
     torch.manual_seed(0)
-    cfg = ModelConfig(vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=1, heads=2),
-                      text=TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, dropout=0.1, trainable=False))
+    cfg = tiny_model_config(text={**TINY["text"], "dropout": 0.1, "trainable": False})   # dropout on in training
     from clip_mini.model.text import build_tokenizer
 
     caps = ["a red circle", "a big blue square on the left", "a green triangle", "a red circle"]
@@ -27,12 +27,8 @@ def _locked_text_config(shapes, out_dir):
     """A tiny model with a locked from-scratch text tower, trained on generated shapes."""
     from clip_mini.config import load_config
 
-    return load_config(None, [
-        "model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
-        "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
-        "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=120",
-        "model.text.max_length=16", "model.text.trainable=false", "model.embed_dim=16", "data.val=8",
-        "train.device=cpu",
+    return load_config(None, tiny_sets() + [
+        "model.text.trainable=false", "data.val=8", "train.device=cpu",
         "train.batch_size=8", "train.epochs=2", "train.threads=1", "train.log_every=1",
         "train.precision=fp32", f"data.captions={shapes / 'captions.csv'}", f"train.out_dir={out_dir}"])
 

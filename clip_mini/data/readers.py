@@ -18,15 +18,11 @@ from typing import Optional
 import pandas as pd
 
 from clip_mini.fileio.bounded_read import UnreadableFileError, read_file
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import DataError
 
 COLUMNS = ["path", "image", "caption", "image_id"]
 _FLICKR_LINE = re.compile(r"^(?P<name>[^\t#]+)#\d+\t(?P<caption>.*)$")
 _ROOT_PROBE = 20   # names checked when guessing whether images live in an images/ subfolder
-
-
-class DataError(ClipMiniError, ValueError):
-    """A captions file, row or field is unusable; the message names the file and the row or field."""
 
 
 Skipped = list[tuple[str, str]]

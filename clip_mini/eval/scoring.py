@@ -2,7 +2,8 @@
 
 The split is made by the same ``load_table`` + ``split_by_image`` calls as the trainer, from the same config, and
 scored by the trainer's ``clip_mini.eval.metrics`` functions, so ``clip-mini eval`` reproduces the numbers in a run's
-``metrics.jsonl``.
+``metrics.jsonl``. Val is scored unless the test split is asked for by name; a test scoring writes its line in the
+test ledger (``clip_mini.eval.ledger``) before the split is read.
 """
 from __future__ import annotations
 
@@ -13,13 +14,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import EvalError
 
 DEFAULT_TEMPLATES = ("a photo of a {}.",)   # the same as clip_mini.embed.DEFAULT_TEMPLATES (torch-free here)
-
-
-class EvalError(ClipMiniError, ValueError):
-    """An evaluation request cannot be served (empty split, unknown labels, no images); the message says why."""
 
 
 def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
@@ -60,12 +57,9 @@ def _resolve_precision(precision: Optional[str], device: str) -> str:
     return resolve_precision(precision, resolve_device(device))
 
 
-def default_split(data_cfg) -> str:
-    """The split ``clip-mini eval`` scores when none is named: test when the config carves one, else val (the only
-    split of a WebDataset config: its validation shards)."""
-    if data_cfg.format == "webdataset":
-        return "val"
-    return "test" if (data_cfg.test or data_cfg.test_list) else "val"
+DEFAULT_SPLIT = "val"   # choices are made on val; the test split is scored only when named (and then ledgered)
+# what a test scoring's ledger line keeps of the result
+LEDGER_KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "rsum", "loss")
 
 
 def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optional[str] = None,
@@ -80,9 +74,11 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
     on), so there, for the run's own model and config, the numbers equal the ones in its ``metrics.jsonl``. Unreadable images are left out with their captions (``n_dropped_images``,
     ``n_dropped_captions``).
 
+    A test scoring (``split="test"``) writes its line in the test ledger first
+    (``clip_mini.eval.ledger.record_test_scoring``) and completes it with the numbers, or the error, after.
+
     Args:
-        split: "train", "val" or "test"; None: test when the config has a test split (``data.test`` or
-            ``data.test_list``), else val (the result's ``split`` says which).
+        split: "train", "val" or "test"; None: val (``DEFAULT_SPLIT``).
         batch_size: images / captions per forward pass and pairs per loss batch (the loss depends on it).
             None: the ``eval_batch_size`` the model directory records, else the config's
             ``train.eval_batch_size``.
@@ -93,11 +89,7 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
     Raises:
         EvalError: unknown or empty split, or unknown precision.
     """
-    from clip_mini.embed import load
     from clip_mini.config import load_config
-    from clip_mini.data import make_cache
-    from clip_mini.eval.validation import evaluate_model
-    from clip_mini.data import load_splits
 
     if split not in (None, "train", "val", "test"):
         raise EvalError(f"--split must be train, val or test, got {split!r}")
@@ -105,12 +97,10 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
     cfg = load_config(config, overrides)
     wds = cfg.data.format == "webdataset"
     if split is None:
-        split = default_split(cfg.data)
+        split = DEFAULT_SPLIT
         if progress:
-            why = (f"{config} reads WebDataset shards: val is its one split" if wds else
-                   "" if split == "test" else f"{config} has no test split: data.test is 0")
-            print(f"eval: no --split given: scoring the {split} split" + (f" ({why})" if why else ""),
-                  file=sys.stderr)
+            print(f"eval: no --split given: scoring the {split} split (--split test scores test, and records "
+                  f"that in the test ledger)", file=sys.stderr)
     if wds and split != "val":
         raise EvalError(f"{config} reads WebDataset shards: its one scored split is val (data.val_shards, else the "
                         f"last of data.shards), not {split!r}; use --split val")
@@ -119,7 +109,27 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
         raise EvalError(f"split {split!r} of {config} is empty (data.{split}={getattr(cfg.data, split)}, no "
                         f"data.{split}_list); choose another --split or set data.{split}")
     batch_size = batch_size or trained_settings(model_dir).get("eval_batch_size") or cfg.train.eval_batch_size
-    if wds:
+    run = dict(split=split, batch_size=batch_size, workers=workers, progress=progress, precision=precision,
+               device=device)
+    if split != "test":
+        return _score_split(model_dir, config, cfg, **run)
+    from clip_mini.eval.ledger import config_hash, record_test_scoring
+
+    with record_test_scoring(variant=Path(model_dir).as_posix(), source="clip-mini eval", config=config,
+                             config_hash=config_hash(cfg.to_dict()), precision=precision) as line:
+        out = _score_split(model_dir, config, cfg, **run)
+        line.test, line.test_images = {"model": {k: out[k] for k in LEDGER_KEYS if k in out}}, out["n_images"]
+    return out
+
+
+def _score_split(model_dir: str | Path, config: str | Path, cfg, split: str, batch_size: int, workers: int,
+                 progress: bool, precision: str, device: str) -> dict:
+    """``evaluate_retrieval``'s scoring, once the split and the settings are checked."""
+    from clip_mini.data import load_splits, make_cache
+    from clip_mini.embed import load
+    from clip_mini.eval.validation import evaluate_model
+
+    if cfg.data.format == "webdataset":
         from clip_mini.data.wds_stream import val_split
 
         df = val_split(cfg.data)   # the trainer's validation table: the val shards' images, extracted once

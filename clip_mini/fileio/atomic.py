@@ -15,11 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from clip_mini.errors import ClipMiniError
-
-
-class OutputError(ClipMiniError, OSError):
-    """Writing an output failed; the earlier file at that path (if any) is intact."""
+from clip_mini.errors import OutputError
 
 
 @contextmanager

@@ -27,28 +27,13 @@ import stat
 import threading
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import UnreadableFileError
 
 # Generous for any local disk: a whole 1 GiB file reads in a few seconds even from a slow disk.
 READ_TIMEOUT_S = 60.0
 _IDLE_S = 10.0   # a helper thread with no work for this long ends itself
 
 T = TypeVar("T")
-
-
-class UnreadableFileError(ClipMiniError, OSError):
-    """A file that must not or could not be read: not a regular file, too large, or too slow.
-
-    An ``OSError`` (``strerror`` is the reason), so callers that already treat unreadable files as ``OSError``
-    keep working; ``path`` names the file and ``reason`` says why.
-    """
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(reason)
-        self.path, self.reason, self.strerror, self.filename = str(path), reason, reason, str(path)
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
 
 
 def file_kind(mode: int) -> str:

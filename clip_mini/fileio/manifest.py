@@ -10,14 +10,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import ModelDirError
 from clip_mini.fileio.atomic import sha256_file
 
 MODEL_FILES = ("config.json", "model.safetensors", "preprocess.json")
-
-
-class ModelDirError(ClipMiniError, ValueError):
-    """A model directory is missing, incomplete or corrupt; the message names the file."""
 
 
 def fingerprint(checksums: dict[str, str]) -> str:

@@ -25,16 +25,13 @@ from typing import Optional
 
 from clip_mini.fileio.checksums import cache_root, known_sha256
 from clip_mini.fileio.atomic import atomic_dir, sha256_file
-from clip_mini.fileio.manifest import ModelDirError, read_manifest
+from clip_mini.errors import OnnxError
+from clip_mini.fileio.manifest import read_manifest
 
 ONNX_DIR = "onnx"
 INDEX = "onnx.json"
 TOWERS = {"text": "text.onnx", "image": "image.onnx"}
 OPSET = 17
-
-
-class OnnxError(ModelDirError):
-    """The ONNX copy of a model is missing, damaged or from another model; the message names the file."""
 
 
 def candidate_dirs(model_dir: Path, fingerprint: str) -> list[Path]:

@@ -16,16 +16,12 @@ import torch.nn as nn
 
 from clip_mini.config import TextConfig
 from clip_mini.model.layers.dropout import register_eager_attention, swap_dropouts
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import TokenizerError
 from clip_mini.model.layers.kernels import fused_attention
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MINILM = "minilm"
 MINILM_SHAPE = dict(dim=384, n_layers=6, n_heads=12, hidden_dim=1536)
-
-
-class TokenizerError(ClipMiniError, ValueError):
-    """A tokenizer directory is missing or unreadable."""
 
 
 def minilm_dir() -> Path:

@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import EmbeddingIndexError
 from clip_mini.fileio.atomic import atomic_write_json, sha256_file
 from clip_mini.retrieval.rows import storage_dtype, wrap
 
@@ -38,10 +38,6 @@ ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
 # them stops at the header with "expected columns ...", so the format version stays.
 WDS_COLUMNS = ("shard", "key", "offset", "length")
 _DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|cols|index)$")
-
-
-class EmbeddingIndexError(ClipMiniError, ValueError):
-    """An index directory is missing, corrupt, busy or built with another model, or a request on it is unusable."""
 
 
 def _manifest_digest(manifest: dict) -> str:

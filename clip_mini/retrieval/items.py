@@ -28,7 +28,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import ItemsFormatError
 
 MAGIC = b"CLIPMINI-ITEMS1\n"
 _ALIGN = 64
@@ -36,10 +36,6 @@ _HEADER_ROOM = 8192   # bytes reserved for the header (a few hundred are used): 
 _CHUNK = 65536        # rows encoded / decoded per step
 INT_COLUMNS = ("size", "mtime_ns", "offset", "length")
 ROOTED_COLUMNS = ("path", "shard")   # joined to the root given to read_items
-
-
-class ItemsFormatError(ClipMiniError, ValueError):
-    """The items file is damaged or not an items file (the reader names the file)."""
 
 
 class Column(Sequence):

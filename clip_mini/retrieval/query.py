@@ -16,14 +16,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from clip_mini.fileio.atomic import sha256_file
-from clip_mini.fileio.manifest import ModelDirError, read_json, read_manifest
+from clip_mini.errors import QueryEncoderError
+from clip_mini.fileio.manifest import read_json, read_manifest
 from clip_mini.model.onnx_export import ensure_onnx
 
 QUERY_FILES = ("config.json", "tokenizer.json", "preprocess.json")   # what the query path reads besides ONNX
-
-
-class QueryEncoderError(ModelDirError):
-    """A model directory cannot serve queries, or a query is unusable; the message names the file or item."""
 
 
 def _session(path: Path):

@@ -14,20 +14,12 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import DeviceError, PrecisionError
 from clip_mini.runtime.isa import cpu_native_bf16
 
 DeviceArg = Union[str, torch.device, None]
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
-
-
-class DeviceError(ClipMiniError, ValueError):
-    """A device that does not exist here (e.g. ``cuda`` on a machine without a GPU) or is misspelled."""
-
-
-class PrecisionError(ClipMiniError, ValueError):
-    """A compute precision that is misspelled, or that the device cannot run (bf16 on a GPU without bf16 units)."""
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
