@@ -12,7 +12,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
 RETRIEVAL_ORDER = ["rows", "search", "items", "faiss_auto", "format", "dupes", "files", "reader", "build", "shards",
-                   "wds_source", "ray_index", "preprocess_np", "query", "engine", "index"]
+                   "wds_source", "ray_index", "preprocess_np", "query", "terms", "engine", "index"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {
     "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config"],
