@@ -116,6 +116,8 @@ def parse_args(args: Sequence[str], images: Sequence[str] = (), paths: bool = Tr
         QueryError: no term at all, two operators in a row, an operator at the end, a path run together with
             other words, only negative terms, or any error of ``parse_term``.
     """
+    if args and not images and not any(a.strip() for a in args):
+        raise QueryError(f"the text query is empty: type some words describing the image; {USAGE}")
     terms: list[Term] = [Term(_image_file(p), 1.0, True) for p in images]
     sign, words, last_op = 1.0, [], None
     for arg in args:
