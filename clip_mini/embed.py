@@ -208,6 +208,22 @@ class Embedder:
             feats = self.model.encode_image(to_device(pixels, self.device), normalize=False)
         return _finish(feats, True).cpu().numpy()
 
+    # -- query arithmetic -----------------------------------------------------------------------------------------
+    def encode_query(self, terms: Any) -> np.ndarray:
+        """One (d,) float32 unit row for weighted text and image terms: a caption, or a list of
+        ``(caption or image, weight)`` pairs (a ``str`` is a caption; a path-like, PIL image or array an image; a
+        negative weight means "without"), combined as ``EmbeddingIndex.search`` and ``clip-mini search`` combine
+        them (``clip_mini.retrieval.terms``)::
+
+            query = model.encode_query([("a circle", 1.0), ("red", -1.0)])
+
+        Raises:
+            InputError: an empty query, a bad weight, only negative terms, terms that cancel out.
+        """
+        from clip_mini.retrieval.terms import as_terms, combine
+
+        return combine(as_terms(terms), self.encode_text, self.encode_image)
+
     # -- match maps ---------------------------------------------------------------------------------------------
     def explain(self, image: Any, text: str, method: str = "auto") -> np.ndarray:
         """Where in ``image`` the text matches: a float32 (H, W) map over the image's own pixels, in [0, 1],

@@ -24,11 +24,11 @@ class DeviceError(ClipMiniError, ValueError):
     """A device that does not exist here (e.g. ``cuda`` on a machine without a GPU) or is misspelled."""
 
 
-# -- files -----------------------------------------------------------------------------------------------------
 class PrecisionError(ClipMiniError, ValueError):
     """A compute precision that is misspelled, or that the device cannot run (bf16 on a GPU without bf16 units)."""
 
 
+# -- files -----------------------------------------------------------------------------------------------------
 class OutputError(ClipMiniError, OSError):
     """Writing an output failed; the earlier file at that path (if any) is intact."""
 

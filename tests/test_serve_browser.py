@@ -173,6 +173,15 @@ def test_search_page_in_chromium(server, browser, photos, tmp_path):
     assert first.get_attribute("data-path") == query_image and "1.000" in first.text
     assert browser.find_element(By.ID, "query-preview").is_displayed()
 
+    # the "without" box: sent as the API's `without` term, named in the status
+    browser.find_element(By.ID, "without").send_keys("red")
+    browser.find_element(By.ID, "q").send_keys(Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query") == f"“{QUERY}” without “red”")
+    minus = httpx.get(f"{server}/api/search", params={"q": QUERY, "without": "red", "k": 24}, timeout=60).json()
+    hits = browser.find_elements(By.CSS_SELECTOR, "#results a.hit")
+    assert [h.get_attribute("data-path") for h in hits] == [r["path"] for r in minus["results"]]
+    assert minus["without"] == ["red"] and "without=red" in browser.current_url
+
     # everything the page loaded came from this server
     loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert loaded and all(u.startswith(server + "/") for u in loaded), loaded

@@ -17,6 +17,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         "after a kill, and readable while it is being updated. Item paths are stored relative to the indexed\n"
         "folder, so the folder and its index can be moved together.",
         "clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos",
+        "clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos --exclude-dir @eaDir "
+        "--exclude-dir drafts",
         "clip-mini index --model runs/tiny/best --captions data/shapes/captions.csv --out indexes/shapes")
     ix.add_argument("--out", required=True, help="index directory (created, or updated incrementally)")
     ix.add_argument("--model", help="model directory")
@@ -28,7 +30,14 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     src.add_argument("--data", help="config YAML whose data.captions images (and captions) are indexed")
     src.add_argument("--merge", nargs="*", metavar="SHARD", help="merge shard indexes (default: OUT/shards/*)")
     src.add_argument("--shards", metavar="PATTERN", help="WebDataset shards, e.g. 'data/wds/{000000..000099}.tar'")
-    ix.add_argument("--add", action="store_true", help="keep rows of files not listed now (default: mirror)")
+    ix.add_argument("--add", action="store_true",
+                    help="keep rows of files not listed now (default: mirror the folder: rows of files that are "
+                         "gone are dropped, and counted)")
+    ix.add_argument("--exclude-dir", action="append", metavar="NAME",
+                    help="with --images: a directory name never entered, at any depth; repeat it for several. "
+                         "Giving it replaces the defaults: @eaDir, node_modules, .git, 'System Volume Information'")
+    ix.add_argument("--include-hidden", action="store_true",
+                    help="with --images: also index hidden files and folders (names starting with '.')")
     ix.add_argument("--shard", help="i/n: index only shard i of n (into OUT/shards/i-of-n); merge with --merge")
     ix.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                     help="with --shards: embed on Ray (no ADDRESS: a local Ray instance; else join that cluster)")
@@ -92,7 +101,9 @@ def cmd_index(args: argparse.Namespace) -> int:
                        model_dir=args.model, progress=progress, recall_target=args.recall_target,
                        memory_budget=None if args.memory_budget is None else args.memory_budget * 2**30,
                        dtype=args.dtype)
-    print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}")
+    print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}; "
+          f"{index.changes['added']} added, {index.changes['dropped']} dropped"
+          + (" (files gone or no longer listed)" if index.changes["dropped"] else ""))
     if world is not None:   # launched by torchrun: wait for every rank, then rank 0 merges the shards
         world.barrier()
         if shard[0] == 0:
@@ -109,8 +120,9 @@ def _index_shards(args: argparse.Namespace, progress: bool) -> int:
 
     if args.shards is None or args.model is None:
         raise EmbeddingIndexError("index --shards needs --model DIR and --shards PATTERN (--ray works with --shards)")
-    if args.shard is not None or args.add:
-        raise EmbeddingIndexError("--shard and --add are for image folders; --shards indexes shard by shard already")
+    if args.shard is not None or args.add or args.exclude_dir is not None or args.include_hidden:
+        raise EmbeddingIndexError("--shard, --add, --exclude-dir and --include-hidden are for image folders; "
+                                  "--shards indexes shard by shard already")
     from clip_mini.data.webdataset import expand_shards
     from clip_mini.embed import load
     from clip_mini.retrieval.wds_source import index_shards
@@ -175,8 +187,12 @@ def _index_inputs(args: argparse.Namespace):
 
     from clip_mini.retrieval.files import scan_images
 
+    if args.images is None and (args.exclude_dir is not None or args.include_hidden):
+        raise EmbeddingIndexError("--exclude-dir and --include-hidden choose the files of --images FOLDER; "
+                                  "--captions and --data list their images themselves")
     if args.images is not None:
-        images = scan_images(args.images)
+        images = scan_images(args.images, include_hidden=args.include_hidden,
+                             **({} if args.exclude_dir is None else {"exclude_dirs": args.exclude_dir}))
         if not images:
             raise EmbeddingIndexError(f"no images found under {args.images} (looked for .jpg, .png, .webp, ...)")
         return images, None, os.path.abspath(args.images)

@@ -1,5 +1,6 @@
-"""``clip-mini search``: rank an index's images for a text or image query (a text query never imports torch unless
-``--explain`` draws match maps)."""
+"""``clip-mini search``: rank an index's images for a query of text and image terms (``"a dog" + "beach" -
+"grass"``, see ``clip_mini.retrieval.terms``); a text query never imports torch unless ``--explain`` draws match
+maps. Exit status 0 with results, 1 when nothing is returned (as grep), 2 on bad input."""
 from __future__ import annotations
 
 import argparse
@@ -9,18 +10,27 @@ from pathlib import Path
 from clip_mini.cli.common import add_device, add_quiet, check_output_folder, command_parser, positive_int
 from clip_mini.cli.printing import print_json, print_results
 
+EXIT_NO_HITS = 1   # grep's status for "nothing found": `clip-mini search ... --paths && ...` chains on it
+
 
 def add_arguments(sub) -> argparse.ArgumentParser:
     se = command_parser(
-        sub, "search", "search an index with a text (or an image) query",
-        "Rank the images of an index by cosine similarity to a text query (or to an image with --image).\n"
-        "A text query never imports torch; paths are printed absolute.",
+        sub, "search", "search an index with text and image terms",
+        "Rank the images of an index by cosine similarity to a query: captions and images joined by + and -\n"
+        "(rclip's grammar), each optionally weighted (\"2:golden retriever\"); an argument written as a path\n"
+        "(./x.jpg, /photos/x.jpg, ~/x.jpg) is an image. The terms' unit embeddings are summed with their weights\n"
+        "(- negates) and renormalised. A text query never imports torch; paths are printed absolute.\n"
+        "Exit status: 0 with results, 1 when nothing is returned, 2 on bad input.",
         'clip-mini search --index indexes/photos "a dog running on grass" -k 5 --grid hits.png',
+        'clip-mini search --index indexes/photos "a dog" + "beach" - "grass" "2:golden retriever"',
+        'clip-mini search --index indexes/photos ./cat.jpg + "at night" --paths | xargs feh',
         "clip-mini search --index indexes/photos --image query.jpg --json",
         'clip-mini search --index indexes/photos "a red car" -k 8 --explain --grid hits.png')
     se.add_argument("--index", required=True, help="index directory")
-    se.add_argument("query", nargs="?", help="text query")
-    se.add_argument("--image", help="image query (image-to-image search)")
+    se.add_argument("query", nargs="*", metavar="TERM",
+                    help='query terms joined by + and -: "a dog" + "beach" - "grass"; "2:caption" weights a term; '
+                         "a path (./x.jpg) is an image")
+    se.add_argument("--image", help="an image query term (added to the others with +)")
     se.add_argument("-k", type=positive_int, default=10,
                     help="number of results (at most the index's size: a larger k lists every image, with a note)")
     se.add_argument("--model", help="model directory (default: the one recorded in the index)")
@@ -30,6 +40,10 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     se.add_argument("--explain", action="store_true",
                     help="with --grid and a text query: overlay on each hit where it matches the query (loads "
                          "the model with torch: Embedder.explain)")
+    se.add_argument("--paths", action="store_true",
+                    help="print only the result paths, one per line (for xargs, feh, cp); notes go to stderr")
+    se.add_argument("-0", dest="null", action="store_true",
+                    help="print the paths NUL-separated (implies --paths): safe for any file name with xargs -0")
     se.add_argument("--no-verify", action="store_true", help="skip the checksum of the index files")
     add_device(se)
     add_quiet(se)
@@ -38,14 +52,19 @@ def add_arguments(sub) -> argparse.ArgumentParser:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
+    from clip_mini.retrieval.terms import USAGE, QueryError, describe, parse_args
 
-    if (args.query is None) == (args.image is None):
-        raise EmbeddingIndexError("search needs a text query or --image PATH (exactly one)")
-    if args.query is not None and not args.query.strip():
-        raise EmbeddingIndexError("the text query is empty")
-    if args.explain and (args.grid is None or args.query is None):
-        raise EmbeddingIndexError("--explain draws where a text query matches into --grid PNG: give both a text "
-                                  "query and --grid")
+    args.paths = args.paths or args.null
+    if args.paths and args.json:
+        raise EmbeddingIndexError("--paths (or -0) and --json are two output formats: give one")
+    if not args.query and args.image is None:
+        raise QueryError(f"the query is empty: search needs a text query or --image PATH; {USAGE}")
+    # Bad terms (a weight, a missing image) fail before the index is opened.
+    terms = parse_args(args.query, [] if args.image is None else [args.image])
+    single_text = len(terms) == 1 and not terms[0].is_image and terms[0].weight == 1
+    if args.explain and (args.grid is None or not single_text):
+        raise EmbeddingIndexError("--explain draws where one caption matches into --grid PNG: give --grid and a "
+                                  "single text query (no + or - terms, no image)")
     if args.grid:
         check_output_folder(args.grid, "--grid")
     index = EmbeddingIndex.load(args.index, verify=not args.no_verify)
@@ -53,42 +72,54 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise EmbeddingIndexError(f"--backend faiss: {args.index} has no faiss index (it was built without one); "
                                   "search it with --backend exact (or auto), or store one with "
                                   "`clip-mini index ... --faiss hnsw`")
-    if args.image is not None and not Path(args.image).is_file():
-        from clip_mini.embed import InputError
-
-        what = "is a directory, not an image file" if Path(args.image).is_dir() else "not found"
-        raise InputError(f"query image {what}: {args.image}")
     # The device matters only for an image query: a text query runs torch-free (the string is resolved when the
     # image tower loads, so a text search never imports torch to ask about CUDA).
-    [hits] = index.hits(texts=None if args.query is None else [args.query],
-                        images=None if args.image is None else [args.image],
-                        k=args.k, model_dir=args.model, backend=args.backend, device=args.device)
+    [hits] = index.hits(terms=terms, k=args.k, model_dir=args.model, backend=args.backend, device=args.device)
     results = [{"rank": h["rank"], "score": round(h["score"], 6), "path": h["path"], "caption": h["caption"]}
                for h in hits]
     if args.k > len(index) and not args.quiet:
         print(f"note: -k {args.k} is more than the {len(index)} images in {args.index}: listing all of them",
               file=sys.stderr)
+    query = describe(terms[1:] if args.image else terms) if args.query else None   # --image is the first term
     if args.grid:
         from clip_mini.pictures.draw import result_grid
 
         from clip_mini.retrieval.wds_source import hit_image_files
 
-        title = f"{args.query!r}" if args.query is not None else f"image: {args.image}"
+        title = (repr(terms[0].value) if single_text else f"image: {args.image}" if not args.query
+                 else describe(terms))
         with hit_image_files(index.items, [h["row"] for h in hits]) as files:   # shard rows: read back by offset
-            heats = _match_maps(index, args, files) if args.explain else None
+            heats = _match_maps(index, args, files, terms[0].value) if args.explain else None
             result_grid(files, [h["score"] for h in results], args.grid, title=title,
                         names=[Path(h["path"]).name for h in results], heats=heats)
-    if args.json:
-        print_json({"query": args.query, "image": args.image, "index": str(index.path),
+    if args.paths:
+        _print_paths([r["path"] for r in results], "\0" if args.null else "\n")
+    elif args.json:
+        print_json({"query": query, "image": args.image, "index": str(index.path),
+                    "terms": [{"image" if t.is_image else "text": str(t.value), "weight": t.weight} for t in terms],
                     "model_fingerprint": index.fingerprint, "results": results})
     else:
         print_results(results)
         if args.grid:
             print(f"grid: {args.grid}")
-    return 0
+    if args.paths and args.grid and not args.quiet:
+        print(f"grid: {args.grid}", file=sys.stderr)
+    return 0 if results else EXIT_NO_HITS
 
 
-def _match_maps(index, args: argparse.Namespace, files: list[str]) -> list:
+def _print_paths(paths: list[str], end: str) -> None:
+    """One path per entry and nothing else: a path holding a newline is safe only with -0, so it is refused
+    without it rather than split in two."""
+    if end == "\n":
+        bad = next((p for p in paths if "\n" in p), None)
+        if bad is not None:
+            from clip_mini.errors import InputError
+
+            raise InputError(f"the result path {bad!r} contains a newline: print NUL-separated paths with -0")
+    sys.stdout.write("".join(p + end for p in paths))
+
+
+def _match_maps(index, args: argparse.Namespace, files: list[str], text: str) -> list:
     """Each hit's match map for the text query (None where the file cannot be read: the grid marks it)."""
     from clip_mini.embed import InputError, load
 
@@ -97,7 +128,7 @@ def _match_maps(index, args: argparse.Namespace, files: list[str]) -> list:
     heats = []
     for f in files:
         try:
-            heats.append(embedder.explain(f, args.query))
+            heats.append(embedder.explain(f, text))
         except InputError:
             heats.append(None)
     return heats

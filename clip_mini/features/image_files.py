@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -16,15 +16,65 @@ from clip_mini.errors import InputError
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 
-def image_files(folder: str | Path) -> list[str]:
-    """Absolute paths of the image files under ``folder`` (recursive, by extension; hidden entries skipped), sorted;
-    none for a folder that does not exist (callers that must tell the user check it first)."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(root, f) for f in files
-                  if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS]
+# Never entered unless asked otherwise (rclip's defaults): Synology thumbnails, JavaScript packages, git's objects,
+# Windows' restore points
+DEFAULT_EXCLUDE_DIRS = ("@eaDir", "node_modules", ".git", "System Volume Information")
+
+
+def image_files(folder: str | Path, exclude_dirs: Iterable[str] = DEFAULT_EXCLUDE_DIRS,
+                include_hidden: bool = False) -> list[str]:
+    """Absolute paths of the image files under ``folder`` (recursive, by extension), sorted; none for a folder that
+    does not exist (callers that must tell the user check it first).
+
+    Args:
+        folder: the folder to search.
+        exclude_dirs: directory names never entered, at any depth (rclip's defaults: NAS thumbnails, packages,
+            version control, Windows' system folder).
+        include_hidden: also list hidden files and enter hidden directories (names starting with ".").
+
+    Directories reached through a symlink are walked after every real directory, and only if no directory
+    walked before is the same one (device and inode): a link back to a parent (a loop) or a second link to one
+    folder is skipped, never followed forever, and a file is listed once, under its real folder's path where it
+    has one. Links to files are listed as files.
+
+    Raises:
+        InputError: ``exclude_dirs`` given as one string.
+    """
+    if isinstance(exclude_dirs, str):
+        raise InputError(f"exclude_dirs must be a list of directory names, got one string "
+                                  f"{exclude_dirs!r}")
+    exclude = set(exclude_dirs)
+    visible = (lambda name: True) if include_hidden else (lambda name: not name.startswith("."))
+    seen: set[tuple[int, int]] = set()
+    trees, found = [str(folder)], []
+    for top in trees:   # grows while walking: linked directories are queued behind the real ones
+        key = _dir_key(top)
+        if key is None or key in seen:   # a loop, a second link to a walked folder, or a link to nothing
+            continue
+        for root, dirs, files in os.walk(top):   # followlinks=False: links are queued, not entered
+            seen.add(_dir_key(root))
+            keep = []
+            for d in sorted(dirs):
+                path = os.path.join(root, d)
+                if d in exclude or not visible(d):
+                    continue
+                if os.path.islink(path):
+                    trees.append(path)
+                elif _dir_key(path) not in seen:
+                    keep.append(d)
+            dirs[:] = keep
+            found += [os.path.join(root, f) for f in files
+                      if visible(f) and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS]
     return sorted(os.path.abspath(p) for p in found)
+
+
+def _dir_key(path: str) -> Optional[tuple[int, int]]:
+    """A directory's identity (device, inode), links followed; None when it cannot be reached (a link loop)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,

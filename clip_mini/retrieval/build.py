@@ -130,7 +130,8 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         embedder: ``clip_mini.load(model_dir)``; its fingerprint must match an existing index's.
         images: image file paths (made absolute).
         captions: optional ``{path: caption}`` stored with the rows.
-        prune: drop rows whose path is not in ``images`` (False: keep them, i.e. add).
+        prune: drop rows whose path is not in ``images`` (False: keep them, i.e. add). The returned reader's
+            ``changes`` counts the rows added and dropped.
         batch_size, workers, precision: embedding batch size, DataLoader workers decoding images (None:
             ``devices.default_workers`` for the embedder's device), "fp32" or "bf16" autocast.
         faiss: "auto" (keep the index's faiss kind; build HNSW above ``search.FAISS_THRESHOLD`` rows when faiss is
@@ -179,16 +180,28 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
             raise EmbeddingIndexError(f"none of the {len(images)} images could be embedded (see {path}/skipped.csv)")
         if progress and skipped:
             print(f"index: skipped {len(skipped)} unusable images (see {path / 'skipped.csv'})")
+        changes = _changes(old, rows["path"])
         kind = faiss_kind(faiss, old, len(rows["path"]), embedder.dim, memory_budget)
         dtype = dtype or (storage_dtype(old.embeddings) if old is not None else "float16")
         if old is not None and _unchanged(old, rows, kind) and storage_dtype(old.embeddings) == dtype:
             work.remove()
+            old.changes = changes
             return old
         meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": list(shard) if shard else None,
                 "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
+        # one commit: the gone files' rows leave in the same atomic generation the new ones arrive in
         index = _publish(path, old, work, rows, embedder.dim, meta, kind, progress, recall_target, dtype)
         work.remove()
+        index.changes = changes
         return index
+
+
+def _changes(old: Optional[IndexReader], paths: list[str]) -> dict[str, int]:
+    """Rows a build adds (paths new to the index) and drops (paths it held that the new generation does not: files
+    gone, no longer listed, or now unreadable)."""
+    before = set(old.items["path"]) if old is not None else set()
+    after = set(paths)
+    return {"added": len(after - before), "dropped": len(before - after)}
 
 
 def _publish(path: Path, old: Optional[IndexReader], work: "_Work", rows: dict[str, list], dim: int, meta: dict,

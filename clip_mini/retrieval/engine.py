@@ -16,10 +16,12 @@ import numpy as np
 from clip_mini.features.unit import unit_rows
 from clip_mini.fileio.manifest import read_manifest
 from clip_mini.retrieval.query import QUERY_FILES, ImageQueryEncoder, TextQueryEncoder
+from clip_mini.retrieval.terms import as_terms, combine
 
 
 class QueryEngine:
-    """Query embeddings from one model directory: ``encode_text(list[str])``, ``encode_image(list)``.
+    """Query embeddings from one model directory: ``encode_text(list[str])``, ``encode_image(list)``, and
+    ``encode_query(terms)`` for query arithmetic (``terms``).
 
     Both return (n, dim) float32 rows with unit L2 norm, comparable with the rows of an index built by the same
     model (``fingerprint`` says which model that is).
@@ -47,6 +49,11 @@ class QueryEngine:
     def encode_image(self, images: Sequence[Any]) -> np.ndarray:
         """Images as paths, encoded bytes, PIL images or arrays (decoded and preprocessed like the eval transform)."""
         return unit_rows(self._image_encoder().encode_image(list(images)))
+
+    def encode_query(self, terms: Any) -> np.ndarray:
+        """One (d,) unit row for weighted text and image terms (``terms.as_terms``: a caption, or a list of
+        ``(caption or image, weight)``), combined by ``terms.combine``."""
+        return combine(as_terms(terms), self.encode_text, self.encode_image)
 
     def image_input_size(self) -> int:
         """The side of the square the image tower takes (loads the image tower)."""

@@ -24,6 +24,7 @@ query embedding in ``engine`` (all in ``clip_mini.retrieval``).
     index = EmbeddingIndex.build("indexes/photos", "runs/tiny/best", "photos/")    # or .load("indexes/photos")
     index.search_text("a dog running on grass", k=5)          # [(path, score), ...]
     scores, ids = index.search(query_features, k=10)           # arrays, for any (Q, d) features
+    scores, ids = index.search([("a dog", 1), ("grass", -1)])   # or weighted text and image terms (``terms``)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.shards import merge_indexes
+from clip_mini.retrieval.terms import looks_like_terms
 
 ImagesArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
@@ -48,7 +50,9 @@ class EmbeddingIndex(IndexReader):
 
     @classmethod
     def _wrap(cls, reader: IndexReader) -> "EmbeddingIndex":
-        return cls(reader.path, reader.manifest, reader.embeddings, reader.items)
+        index = cls(reader.path, reader.manifest, reader.embeddings, reader.items)
+        index.changes = reader.changes
+        return index
 
     # -- convenience: queries by text or image, results as (path, score) -------------------------------------
     def search_text(self, text: str | Sequence[str], k: int = 10, model_dir: Optional[str | Path] = None,
@@ -72,15 +76,36 @@ class EmbeddingIndex(IndexReader):
         return [(h["path"], h["score"]) for h in hits[0]] if single else \
             [[(h["path"], h["score"]) for h in row] for row in hits]
 
+    def search(self, queries: Any, k: int = 10, backend: str = "auto", model_dir: Optional[str | Path] = None,
+               device: str = "cpu"):
+        """Top-K rows for query feature rows (``IndexReader.search``), or for query terms: a caption, or a list of
+        ``(caption or image, weight)`` pairs combined into one query (``terms``: a ``str`` is a caption, a
+        ``pathlib.Path``, PIL image or array an image, a negative weight means "without"), embedded by the index's
+        model (or ``model_dir``'s)::
+
+            scores, ids = index.search([("a circle", 1.0), ("red", -1.0)], k=16)   # (1, k) each
+
+        Returns:
+            ``scores`` (Q, k) float32 best first and ``ids`` (Q, k) int64 rows; Q is 1 for terms.
+        """
+        if looks_like_terms(queries):
+            queries = self.engine(model_dir, device).encode_query(queries)[None]
+        return super().search(queries, k, backend)
+
     def hits(self, texts: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None, k: int = 10,
-             model_dir: Optional[str | Path] = None, backend: str = "auto", device: str = "cpu") -> list[list[dict]]:
-        """One ranked list per query (texts or images, not both): ``{"rank", "score", "path", "caption", "row"}``
-        dicts, best first. What ``search_text`` / ``search_image`` and ``clip-mini search`` return."""
-        if (texts is None) == (images is None):
-            raise EmbeddingIndexError("hits needs texts or images (exactly one)")
+             model_dir: Optional[str | Path] = None, backend: str = "auto", device: str = "cpu",
+             terms: Any = None) -> list[list[dict]]:
+        """One ranked list per query (texts, images or one query of ``terms``, exactly one of the three):
+        ``{"rank", "score", "path", "caption", "row"}`` dicts, best first. What ``search_text`` / ``search_image``
+        and ``clip-mini search`` return."""
+        if sum(x is not None for x in (texts, images, terms)) != 1:
+            raise EmbeddingIndexError("hits needs texts, images or terms (exactly one)")
         engine = self.engine(model_dir, device)
-        queries = engine.encode_text(list(texts)) if texts is not None else engine.encode_image(list(images))
-        scores, ids = self.search(queries, k, backend)
+        if terms is not None:
+            queries = engine.encode_query(terms)[None]
+        else:
+            queries = engine.encode_text(list(texts)) if texts is not None else engine.encode_image(list(images))
+        scores, ids = super().search(queries, k, backend)
         return [[{"rank": r + 1, "score": float(s), "path": self.items["path"][i],
                   "caption": self.items["caption"][i], "row": int(i)}
                  for r, (i, s) in enumerate((i, s) for i, s in zip(row_ids, row_scores) if i >= 0)]

@@ -30,6 +30,7 @@ class IndexReader:
         self.path, self.manifest, self.embeddings, self.items = Path(path), manifest, embeddings, items
         self._faiss = None
         self._paths = None
+        self.changes: Optional[dict[str, int]] = None   # set by the build that returned it: rows added, dropped
 
     @property
     def paths(self) -> np.ndarray:

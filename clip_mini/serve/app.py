@@ -1,7 +1,7 @@
 """The FastAPI application: search API, pictures by row id, the search page.
 
-    GET  /api/search?q=TEXT&k=K      text -> images
-    POST /api/search/image?k=K       image -> images (multipart field ``file``, or JSON ``{"image": base64}``)
+    GET  /api/search?q=TEXT&without=TEXT&k=K   text -> images; ``without`` (repeatable): terms to search away from
+    POST /api/search/image?k=K&without=TEXT    image -> images (multipart field ``file``, or JSON ``{"image": base64}``)
     GET  /thumb/ID?gen=G             JPEG thumbnail of row ID of generation G (default: the current one)
     GET  /image/ID?gen=G             the original file of that row
     GET  /api/attention/ID?gen=G     PNG of the ViT's CLS attention over that image
@@ -26,10 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -40,6 +40,7 @@ from clip_mini.data.images import ImageError
 from clip_mini.errors import InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
+from clip_mini.retrieval.terms import QueryError, Term, parse_term
 from clip_mini.serve.admission import BoundedPool, Busy
 from clip_mini.serve.batching import SearchBatcher
 from clip_mini.serve.generations import Generation, IndexWatcher, NotServed, uses_faiss
@@ -51,6 +52,7 @@ from clip_mini.serve.pictures import UPLOAD_MAX_PIXELS, AttentionRenderer, decod
 log = logging.getLogger("clip_mini.serve")
 
 STATIC = Path(__file__).parent / "static"
+MAX_WITHOUT = 8   # "without" terms a request may hold: each is a text-tower pass
 # The page may load only what this server serves: proof that nothing comes from a CDN, and no injected script runs.
 PAGE_CSP = "default-src 'self'; img-src 'self' blob: data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
 
@@ -90,6 +92,7 @@ class Upload(NamedTuple):
     name: str
     k: int
     is_json: bool = False
+    without: tuple = ()     # "without" terms: as received, then parsed (``Service.query_terms``)
 
 
 class Service:
@@ -128,50 +131,71 @@ class Service:
             raise ApiError(400, f"k must be between 1 and {self.cfg.max_k}, got {shown}")
         return k
 
-    async def search_text(self, q: Optional[str], k: int) -> dict:
+    def query_terms(self, q: Optional[str], without: Sequence[str] = ()) -> list[Term]:
+        """A request's text terms: ``q`` (weighted as on the command line: "2:a dog") and each non-blank ``without``
+        term, negated; parsed by the command line's parser, but never as a path to read."""
+        without = [t for t in without if t.strip()]
+        if len(without) > MAX_WITHOUT:
+            raise ApiError(400, f"{len(without)} 'without' terms; the limit is {MAX_WITHOUT}")
+        for text in [q or "", *without]:
+            if len(text) > self.cfg.max_query_chars:
+                raise ApiError(400, f"the query term {text[:40]!r}... is {len(text)} characters long; the limit is "
+                                    f"{self.cfg.max_query_chars}")
+        signed = ([(q, 1.0)] if q else []) + [(t, -1.0) for t in without]
+        try:
+            return [parse_term(t, sign, paths=False) for t, sign in signed]
+        except QueryError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def search_text(self, q: Optional[str], k: int, without: Sequence[str] = ()) -> dict:
         if q is None or not q.strip():
             raise ApiError(400, "the query q is empty: type some words describing the image")
-        if len(q) > self.cfg.max_query_chars:
-            raise ApiError(400, f"the query is {len(q)} characters long; the limit is {self.cfg.max_query_chars}")
+        terms = self.query_terms(q, without)
         self.check_k(k)
         start = time.perf_counter()
         # A fixed pool of encoder threads, not one thread per waiting request (anyio's pool has 40): more threads
         # than cores only contend for them and for the GIL.
-        features = await asyncio.get_running_loop().run_in_executor(self._text_pool, self._encode_text, q)
-        return await self._results(features, k, start, {"query": q})
+        features = await asyncio.get_running_loop().run_in_executor(self._text_pool, self._encode_terms, terms)
+        head = {"query": q, **({"without": [str(t) for t in terms[1:]]} if len(terms) > 1 else {})}
+        return await self._results(features, k, start, head)
 
     async def search_image(self, upload: Upload) -> dict:
         """Parse, decode and embed an upload on the image pool (503 when it is full), then search."""
         if not upload.is_json:
             self.check_k(upload.k)
+        upload = upload._replace(without=tuple(self.query_terms(None, upload.without)))
         start = time.perf_counter()
         try:
             features, k, name = await self.image_pool.run(self._encode_upload, upload)
         except Busy as e:
             raise ApiError(503, str(e), {"Retry-After": str(e.retry_after)}) from None
-        return await self._results(features, k, start, {"query": None, "image": name})
+        return await self._results(features, k, start, {"query": None, "image": name,
+                                                        **({"without": [str(t) for t in upload.without]}
+                                                           if upload.without else {})})
 
     def _encode_upload(self, upload: Upload) -> tuple[np.ndarray, int, str]:
         data, name, k = _parse_json_upload(upload.data, upload.k) if upload.is_json else upload[:3]
         self.check_k(k)
         if len(data) > self.cfg.max_upload_bytes:
             raise ApiError(413, f"the image is {len(data)} bytes; the limit is {self.cfg.max_upload_bytes}")
-        return self._encode_image(data, name), k, name
+        return self._encode_image(data, name, upload.without), k, name
 
-    def _encode_text(self, q: str) -> np.ndarray:
+    def _encode_terms(self, terms: list[Term]) -> np.ndarray:
         try:
-            return self.engine.encode_text([q])
+            return self.engine.encode_query(terms)[None]
         except InputError as e:
             raise ApiError(400, str(e)) from None
 
-    def _encode_image(self, data: bytes, name: str) -> np.ndarray:
+    def _encode_image(self, data: bytes, name: str, without: Sequence[Term] = ()) -> np.ndarray:
         try:
             pixels = decode_upload(data, name, min_size=self.image_size, max_pixels=self.cfg.max_upload_pixels,
                                    keep_aspect=self.keep_aspect)
-            return self.engine.encode_image([pixels])
+            return self.engine.encode_query([Term(pixels, 1.0, True), *without])[None]
         except ImageError as e:
             status = 413 if "pixels" in e.reason else 415 if e.reason.startswith("not an image") else 422
             raise ApiError(status, str(e)) from None
+        except QueryError as e:   # the terms cancel out
+            raise ApiError(400, str(e)) from None
         except InputError as e:
             raise ApiError(422, str(e)) from None
         except MemoryError:   # the limits should prevent it; if not, this upload fails and the server goes on
@@ -316,12 +340,12 @@ def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
         return svc.info()
 
     @get("/api/search")
-    async def search(q: Optional[str] = None, k: int = 10):
-        return JSONResponse(await svc.search_text(q, k))   # plain JSON types: no response-model pass needed
+    async def search(q: Optional[str] = None, k: int = 10, without: list[str] = Query([])):
+        return JSONResponse(await svc.search_text(q, k, without))   # plain JSON types: no response-model pass
 
     @app.post("/api/search/image")
-    async def search_image(request: Request, k: int = 10):
-        return JSONResponse(await svc.search_image(await _read_upload(request, k)))
+    async def search_image(request: Request, k: int = 10, without: list[str] = Query([])):
+        return JSONResponse(await svc.search_image((await _read_upload(request, k))._replace(without=tuple(without))))
 
     @get("/thumb/{row}")
     def thumb(row: int, gen: Optional[int] = None):

@@ -185,10 +185,9 @@ def _implicit_bf16(torch) -> bool:
     backend = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
     if backend is None or not hasattr(backend, "fp32_precision") or not torch.backends.mkldnn.is_available():
         return False
-    try:   # without native bf16 oneDNN would emulate it: no gain, and looser scores
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:
-        return False
+    from clip_mini.runtime.isa import cpu_native_bf16
+
+    return cpu_native_bf16()   # the one rule: without native bf16 oneDNN would emulate it (no gain, looser scores)
 
 
 class _matmul_precision:

@@ -3,6 +3,7 @@
 
 const $ = (id) => document.getElementById(id);
 const form = $("search-form"), input = $("q"), kSelect = $("k"), fileInput = $("image-file");
+const withoutInput = $("without");
 const statusLine = $("status"), grid = $("results"), viewer = $("viewer");
 
 function setStatus(text, isError = false) {
@@ -58,14 +59,25 @@ function render(answer, what) {
             `(index generation ${answer.generation})`);
 }
 
+// The "without" box: one term the server subtracts from the query (the command line's `- "grass"`).
+function withoutTerm() {
+  return withoutInput.value.trim();
+}
+
+function withoutText() {
+  const term = withoutTerm();
+  return term ? ` without “${term}”` : "";
+}
+
 async function searchText(query) {
   query = query.trim();
   if (!query) { setStatus("Type a few words describing the image.", true); return; }
   setStatus("searching…");
   const params = new URLSearchParams({ q: query, k: kSelect.value });
+  if (withoutTerm()) params.append("without", withoutTerm());
   history.replaceState(null, "", `/?${params}`);
   try {
-    render(await callApi(`/api/search?${params}`), `“${query}”`);
+    render(await callApi(`/api/search?${params}`), `“${query}”${withoutText()}`);
     $("query-image").hidden = true;
   } catch (err) {
     setStatus(err.message, true);
@@ -78,13 +90,14 @@ async function searchImage(file) {
   const body = new FormData();
   body.append("file", file, file.name);
   try {
-    const answer = await callApi(`/api/search/image?k=${encodeURIComponent(kSelect.value)}`,
-                                 { method: "POST", body });
+    const params = new URLSearchParams({ k: kSelect.value });
+    if (withoutTerm()) params.append("without", withoutTerm());
+    const answer = await callApi(`/api/search/image?${params}`, { method: "POST", body });
     const preview = $("query-preview");
     if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
     preview.src = URL.createObjectURL(file);
     $("query-image").hidden = false;
-    render(answer, `image ${file.name}`);
+    render(answer, `image ${file.name}${withoutText()}`);
   } catch (err) {
     setStatus(err.message, true);
   }
@@ -160,6 +173,7 @@ const initial = new URLSearchParams(location.search);
 if (initial.get("k") && [...kSelect.options].some((o) => o.value === initial.get("k"))) {
   kSelect.value = initial.get("k");
 }
+if (initial.get("without")) withoutInput.value = initial.get("without");
 if (initial.get("q")) {
   input.value = initial.get("q");
   searchText(initial.get("q"));
