@@ -86,6 +86,11 @@ def cpu_kind(file: str) -> str:
     if not model:
         return "not recorded"
     short = "Xeon" if "Xeon" in model else "EPYC" if "EPYC" in model else model
+    kind = m.get("cpu_kind")   # recorded since precision auto: the kind as the compute dtype sees it
+    if kind == "no_bf16":
+        return f"no-bf16 {short}" + ("" if "avx512f" in isa else " (AVX2)")
+    if kind == "avx512_bf16" and "amx_bf16" in isa:
+        return f"AMX {short} kept off AMX"
     return f"AMX {short}" if "amx_bf16" in isa else f"no-AMX {short}"
 
 
@@ -443,8 +448,8 @@ SUMMARY = [
     ("`make demo`, whole run", "speed/e2e.json", "{runs.demo.process_wall_s:.0f} s", "ts"),
     ("index photos, flickr8k model (images/s)", "speed/index.json",
      "{%s.index.bf16_workers0.images_per_s:.1f}" % FL, "ix"),
-    ("exact search, 1M rows, 64 queries", "speed/search.json", "{sizes.2.exact_torch.q64.p50_ms:.0f} ms", "se"),
-    ("same", "speed/search_noamx.json", "{sizes.2.exact_torch.q64.p50_ms:.0f} ms", "se"),
+    ("exact search, 1M rows, 64 queries, default `auto` path: torch-free / torch loaded", "speed/search_torch_free.json",
+     "{sizes.0.torch_free.exact_auto.q64.p50_ms:.0f} / {sizes.0.exact_auto_torch_loaded.q64.p50_ms:.0f} ms", "se"),
 ]
 TITLES = {"qu": "quality", "fs": "from scratch", "de": "the demo", "ts": "training speed", "tw": "towers",
           "ix": "indexing", "se": "search", "sv": "serving"}
@@ -514,7 +519,7 @@ def document() -> Doc:
                         "epoch with the highest val rsum. The rerun commands name today's config files; rows older than "
                         "a config's current values ran the config as of the commit shown.\n")
     doc.add(text, src)
-    doc.add("### The card's ViT, `configs/flickr8k-vit.yaml` (DINOv2 ViT-S/14, last blocks fine-tuned, MiniLM-L6)\n")
+    doc.add("### The photo ViT, `configs/flickr8k-vit.yaml` (DINOv2 ViT-S/14, last blocks fine-tuned, MiniLM-L6)\n")
     quality_table(doc, [n for n in QUALITY_RUNS if "_vit" in n])
     doc.add("")
     doc.add("### Two locked image towers, `configs/flickr8k.yaml` (EfficientNet-Lite0 + DINOv2, LiT)\n")
@@ -536,6 +541,7 @@ def document() -> Doc:
     doc.add("")
 
     doc.add("## The demo\n")
+    demo_budget(doc)
     demo_seeds(doc)
     f = "studies/demo_pooling.json"
     doc.add("### How the text is pooled (one seed, one CPU each)\n")
@@ -566,6 +572,35 @@ def document() -> Doc:
 
 
 ISA_PATHS = {"native": "native", "no-amx": "no AMX (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`)"}
+
+
+def demo_budget(doc: Doc) -> None:
+    """The demo under its time budget (``studies/demo_budget.json``): levers and seeds, per CPU kind."""
+    f = "studies/demo_budget.json"
+    data = load(f)
+    doc.add("### Under its budget\n")
+    doc.add("`configs/tiny.yaml` trains to `train.budget: 3m`, so `make demo` takes about the same time on every "
+            "CPU; precision `auto` runs fp32 where bf16 is emulated. Each row is one run of "
+            "`benchmarks/studies/demo_budget.py` (run alone on the cores): the lever's overrides, the steps the "
+            "budget fitted, val and compositional t2i R@1, and of the top 16 for \"a large red circle on the "
+            "left\" over all 11,000 images, how many show a large red circle on the left (the position claim, "
+            "target %d) and anywhere (colour, shape, size).\n" % data["target"])
+    t = Table(doc, ["lever", "seed", "precision", "steps", "val t2i R@1", "compositional t2i R@1",
+                    "on the left, of 16", "anywhere, of 16", "CPU", "rerun"])
+    for i, r in enumerate(data["runs"]):
+        t.row([fill(f, "`{runs.%d.variant}`" % i), fill(f, "{runs.%d.seed}" % i), fill(f, "{runs.%d.precision}" % i),
+               fill(f, "{runs.%d.steps}" % i), fill(f, "{runs.%d.val.t2i_r1:.3f}" % i),
+               fill(f, "{runs.%d.compositional.t2i_r1:.3f}" % i),
+               fill(f, "{runs.%d.search.large_red_circle_on_left}" % i),
+               fill(f, "{runs.%d.search.large_red_circle_anywhere}" % i), cpu_kind(f),
+               "`python benchmarks/studies/demo_budget.py --variant %s --seeds %d`" % (r["variant"], r["seed"])])
+    doc.add("")
+    for i, d in enumerate(data.get("demo", [])):
+        text, src = fill(f, "`make demo` from a fresh copy of the tree, after the install: **{demo.%d.wall_s:.0f} s** "
+                            "(target {demo.%d.target_s} s), training {demo.%d.train_s:.0f} s in {demo.%d.steps} "
+                            "steps ({demo.%d.precision}), {demo.%d.large_red_circle_on_left} of 16 on the left; "
+                            "on the %s.\n" % (i, i, i, i, i, i, cpu_kind(f)))
+        doc.add(text, src)
 
 
 def demo_seeds(doc: Doc) -> None:
