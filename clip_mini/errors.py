@@ -24,6 +24,10 @@ class DeviceError(ClipMiniError, ValueError):
     """A device that does not exist here (e.g. ``cuda`` on a machine without a GPU) or is misspelled."""
 
 
+class QueryError(InputError):
+    """A search query that cannot be parsed or combined; the message names the term and shows a usage example."""
+
+
 class PrecisionError(ClipMiniError, ValueError):
     """A compute precision that is misspelled, or that the device cannot run (bf16 on a GPU without bf16 units)."""
 
@@ -99,3 +103,16 @@ class EvalError(ClipMiniError, ValueError):
 
 class LedgerError(ClipMiniError, ValueError):
     """The test-split ledger has a line that is not a test scoring (the message names the file and line)."""
+
+
+# -- training ---------------------------------------------------------------------------------------------------
+class BudgetError(ClipMiniError, RuntimeError):
+    """The budget cannot be met (one-time work alone exceeds it); the message gives the estimate and what to change."""
+
+
+class TrainError(ClipMiniError, RuntimeError):
+    """Training cannot start or cannot go on (the message says why and what to change)."""
+
+
+class CheckpointError(ClipMiniError, ValueError):
+    """A checkpoint is missing, truncated, corrupt or not a clip_mini checkpoint; the message names the file."""

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from clip_mini.errors import InputError
+from clip_mini.errors import QueryError
 
 USAGE = ('for example: "a dog" + "beach" - "grass", "2:golden retriever" (weight 2), ./cat.jpg + "at night" '
          '(an image and words)')
@@ -34,10 +34,6 @@ PATH_PREFIXES = ("./", "../", "/", "~/", ".\\", "..\\")
 # "WEIGHT:rest", the weight one word without spaces: "a dog: running" is a caption.
 _WEIGHTED = re.compile(r"([^\s:]*):(.*)", re.S)
 _CANCEL = 1e-6   # a combined query shorter than this has no direction left ("a dog" - "a dog")
-
-
-class QueryError(InputError):
-    """A query that cannot be parsed or combined; the message names the term and shows a usage example."""
 
 
 @dataclass(frozen=True)

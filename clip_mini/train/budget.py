@@ -36,7 +36,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import BudgetError
 
 TARGET = 0.97         # share of the time left that a fit plans for: process exit and timing noise take the rest
 TIMED_STEPS = 50      # at most this many steps are timed before the first fit (fewer inside a shorter warmup)
@@ -47,10 +47,6 @@ RECENT = 100          # steps whose mean time a re-fit uses
 EXIT_S = 4.0          # the process's exit after train() returns (loader workers, interpreter teardown), at most
 EXIT_SHARE = 0.04     # ... or this share of the budget, when smaller
 LATEST = 5            # steps whose mean time the check against the deadline uses (it reacts to a slowdown)
-
-
-class BudgetError(ClipMiniError, RuntimeError):
-    """The budget cannot be met (one-time work alone exceeds it); the message gives the estimate and what to change."""
 
 
 # -- fitting (pure functions) ---------------------------------------------------------------------------------

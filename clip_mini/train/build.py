@@ -14,14 +14,10 @@ from typing import Optional
 import torch
 
 from clip_mini.config import Config, ConfigError
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import TrainError
 from clip_mini.runtime.devices import PRECISIONS, resolve_precision
 from clip_mini.runtime.isa import cpu_kind
 from clip_mini.train.logbook import metric_key
-
-
-class TrainError(ClipMiniError, RuntimeError):
-    """Training cannot start or cannot go on (the message says why and what to change)."""
 
 
 def check_train_config(cfg: Config) -> None:

@@ -23,16 +23,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from clip_mini.errors import ClipMiniError
+from clip_mini.errors import CheckpointError
 from clip_mini.fileio.atomic import atomic_write_json, atomic_write_with, sha256_file
 
 FORMAT_VERSION = 1
 INDEX = "latest.json"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
-
-
-class CheckpointError(ClipMiniError, ValueError):
-    """A checkpoint is missing, truncated, corrupt or not a clip_mini checkpoint; the message names the file."""
 
 
 # -- RNG state ------------------------------------------------------------------------------------------------
