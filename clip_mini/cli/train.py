@@ -49,9 +49,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
     overrides += [f"train.init_from={args.init_from}"] if args.init_from else []
     try:
         cfg = load_config(args.config, overrides)
-        from clip_mini.train.build import check_train_config
+        if args.print_config:   # checked as a run would check it (train() checks once, before reading any data)
+            from clip_mini.train.build import check_train_config
 
-        check_train_config(cfg)   # before any data is read or any weight is built
+            check_train_config(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
