@@ -213,14 +213,14 @@ class Embedder:
         """One (d,) float32 unit row for weighted text and image terms: a caption, or a list of
         ``(caption or image, weight)`` pairs (a ``str`` is a caption; a path-like, PIL image or array an image; a
         negative weight means "without"), combined as ``EmbeddingIndex.search`` and ``clip-mini search`` combine
-        them (``clip_mini.retrieval.terms``)::
+        them (``clip_mini.features.terms``)::
 
             query = model.encode_query([("a circle", 1.0), ("red", -1.0)])
 
         Raises:
             InputError: an empty query, a bad weight, only negative terms, terms that cancel out.
         """
-        from clip_mini.retrieval.terms import as_terms, combine
+        from clip_mini.features.terms import as_terms, combine
 
         return combine(as_terms(terms), self.encode_text, self.encode_image)
 

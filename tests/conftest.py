@@ -24,6 +24,23 @@ TINY = dict(vision=dict(image_size=32, patch_size=8, width=64, depth=2, heads=2)
             embed_dim=32, head_dropout=0.0)
 
 
+def cpu_runs_bf16_convolutions() -> bool:
+    """Whether oneDNN runs a fused bf16 convolution (``model/layers/conv_act.ConvAct``) on this CPU: it needs AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT, and an AVX2-only CPU refuses. Asked of the CPU, never assumed."""
+    import torch
+
+    from clip_mini.model.layers.conv_act import ConvAct
+
+    x = torch.ones(1, 8, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(8, 8, 1).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    try:
+        with torch.inference_mode():
+            ConvAct(conv, torch.nn.ReLU6())(x)
+        return True
+    except RuntimeError:
+        return False
+
+
 def tiny_model_config(**changes):
     from clip_mini.config import ModelConfig, from_dict
 

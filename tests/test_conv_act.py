@@ -8,8 +8,12 @@ from clip_mini.model.layers import conv_act
 from clip_mini.config import VisionConfig
 from clip_mini.model.layers.conv_act import ConvAct, fuse_conv_act
 from clip_mini.model.vision import ImageEncoder, inference_tower, tower_input
+from conftest import cpu_runs_bf16_convolutions
 
-pytestmark = pytest.mark.skipif(not conv_act.available(), reason="this torch build has no oneDNN fused convolution")
+pytestmark = [pytest.mark.skipif(not conv_act.available(), reason="this torch build has no oneDNN fused convolution"),
+              pytest.mark.skipif(not cpu_runs_bf16_convolutions(),
+                                 reason="this CPU runs no bf16 convolution (oneDNN needs AVX-512 BW/VL/DQ or "
+                                        "AVX-NE-CONVERT); precision auto never asks it to")]
 
 
 def _bf16_trunk(pad_type: str) -> nn.Module:

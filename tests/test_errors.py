@@ -28,7 +28,7 @@ RAISED_IN = {
     "EvalError": "clip_mini.eval.scoring",
     "LedgerError": "clip_mini.eval.ledger",
     "PrecisionError": "clip_mini.runtime.devices",
-    "QueryError": "clip_mini.retrieval.terms",
+    "QueryError": "clip_mini.features.terms",
     "BudgetError": "clip_mini.train.budget",
     "TrainError": "clip_mini.train.build",
     "CheckpointError": "clip_mini.train.checkpoint",

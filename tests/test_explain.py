@@ -174,7 +174,8 @@ def test_explain_computes_no_parameter_gradient_and_leaves_the_model_as_it_was(t
         if p.requires_grad:
             p.register_hook(lambda g: computed.append(g.shape))
     first = e.explain(img, "a red circle")
-    assert first.shape == (32, 32) and first.max() == pytest.approx(1)
+    # a [0, 1] map (an untrained tower's map may be all zero: every channel weighted below zero)
+    assert first.shape == (32, 32) and first.min() >= 0 and first.max() <= 1 + 1e-6
     assert computed == []   # no parameter gradient was computed
     assert [p.requires_grad for p in params] == flags
     assert torch.equal(trained.grad, torch.full_like(trained, 7.0))

@@ -1,4 +1,4 @@
-"""Query arithmetic (``clip_mini.retrieval.terms``): rclip's grammar on the command line, (value, weight) terms in
+"""Query arithmetic (``clip_mini.features.terms``): rclip's grammar on the command line, (value, weight) terms in
 the Python API, one combiner under both; on the shapes demo, subtracting "red" removes red circles and a weight moves
 the ranking its way."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from clip_mini.cli.main import main
-from clip_mini.retrieval.terms import QueryError, Term, as_terms, combine, describe, parse_args
+from clip_mini.features.terms import QueryError, Term, as_terms, combine, describe, parse_args
 
 USAGE_HINT = '"a dog" + "beach" - "grass"'   # every grammar error shows this usage example
 
@@ -53,7 +53,7 @@ def test_a_path_argument_is_an_image_term(tmp_path, monkeypatch):
     with pytest.raises(QueryError, match="an image path stands alone"):
         parse_args([f"./{image.name}", "at", "night"])
     # on the server a path is never read: the same argument is a caption
-    from clip_mini.retrieval.terms import parse_term
+    from clip_mini.features.terms import parse_term
 
     assert parse_term(f"./{image.name}", paths=False) == Term(f"./{image.name}")
 

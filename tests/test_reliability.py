@@ -208,7 +208,8 @@ def _dir_as_attention_image(tmp, base):
 
 def _negative_k(tmp, base):
     # Also in test_cli.test_user_errors_exit_2 (argparse refuses it before any work).
-    return ["search", "--index", str(base["index"]), "a red circle", "-k", "-3"], ["argument -k", "-3"]
+    # -0 (NUL-separated paths) makes argparse read "-3" as an option: the error still names -k
+    return ["search", "--index", str(base["index"]), "a red circle", "-k", "-3"], ["argument -k"]
 
 
 def _zero_batch_size(tmp, base):

@@ -45,10 +45,10 @@ def test_fifth_upload_gets_503_while_text_search_answers(load_index):
     gate, started = threading.Event(), []
     encode = svc._encode_image
 
-    def held(data, name):   # an image query that takes as long as the test wants
+    def held(data, name, *rest):   # an image query that takes as long as the test wants
         started.append(name)
         gate.wait(120)
-        return encode(data, name)
+        return encode(data, name, *rest)
 
     svc._encode_image = held
     upload = {"file": ("q.png", _png((32, 32)), "image/png")}

@@ -448,7 +448,7 @@ SUMMARY = [
     ("`make demo`, whole run", "speed/e2e.json", "{runs.demo.process_wall_s:.0f} s", "ts"),
     ("index photos, flickr8k model (images/s)", "speed/index.json",
      "{%s.index.bf16_workers0.images_per_s:.1f}" % FL, "ix"),
-    ("exact search, 1M rows, 64 queries, default `auto` path: torch-free / torch loaded", "speed/search_torch_free.json",
+    ("exact search, 1M rows, 64 queries, `auto`: no torch / torch", "speed/search_torch_free.json",
      "{sizes.0.torch_free.exact_auto.q64.p50_ms:.0f} / {sizes.0.exact_auto_torch_loaded.q64.p50_ms:.0f} ms", "se"),
 ]
 TITLES = {"qu": "quality", "fs": "from scratch", "de": "the demo", "ts": "training speed", "tw": "towers",

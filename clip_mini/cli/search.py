@@ -1,5 +1,5 @@
 """``clip-mini search``: rank an index's images for a query of text and image terms (``"a dog" + "beach" -
-"grass"``, see ``clip_mini.retrieval.terms``); a text query never imports torch unless ``--explain`` draws match
+"grass"``, see ``clip_mini.features.terms``); a text query never imports torch unless ``--explain`` draws match
 maps. Exit status 0 with results, 1 when nothing is returned (as grep), 2 on bad input."""
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
-    from clip_mini.retrieval.terms import USAGE, QueryError, describe, parse_args
+    from clip_mini.features.terms import USAGE, QueryError, describe, parse_args
 
     args.paths = args.paths or args.null
     if args.paths and args.json:

@@ -6,4 +6,5 @@ inside the functions that need them (``unit`` imports numpy alone: the torch-fre
 
     unit          unit_rows: rows scaled to unit L2 length
     image_files   image files under a folder, and their image features in batches (the indexing loader)
+    terms         query arithmetic: weighted text and image terms ("a dog" + "beach" - "grass"), parsed and combined
 """

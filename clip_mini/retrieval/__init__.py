@@ -17,7 +17,6 @@ Imports run one way (each module imports only those above it)::
     ray_index   the same embedding pass as a Ray Data pipeline (index --shards ... --ray)
     preprocess_np  the eval image transform in numpy (no torch, albumentations or OpenCV on a query)
     query    text and image query encoders on onnxruntime (torch-free)
-    terms    query arithmetic: weighted text and image terms ("a dog" + "beach" - "grass"), parsed and combined
     engine   QueryEngine: query embeddings (text or image) from a model directory, loaded once
     index    EmbeddingIndex: the public class on top of all of them
 

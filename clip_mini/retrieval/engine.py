@@ -16,7 +16,7 @@ import numpy as np
 from clip_mini.features.unit import unit_rows
 from clip_mini.fileio.manifest import read_manifest
 from clip_mini.retrieval.query import QUERY_FILES, ImageQueryEncoder, TextQueryEncoder
-from clip_mini.retrieval.terms import as_terms, combine
+from clip_mini.features.terms import as_terms, combine
 
 
 class QueryEngine:

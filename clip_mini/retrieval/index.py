@@ -38,7 +38,7 @@ from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.shards import merge_indexes
-from clip_mini.retrieval.terms import looks_like_terms
+from clip_mini.features.terms import looks_like_terms
 
 ImagesArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 

@@ -40,7 +40,7 @@ from clip_mini.data.images import ImageError
 from clip_mini.errors import InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
-from clip_mini.retrieval.terms import QueryError, Term, parse_term
+from clip_mini.features.terms import QueryError, Term, parse_term
 from clip_mini.serve.admission import BoundedPool, Busy
 from clip_mini.serve.batching import SearchBatcher
 from clip_mini.serve.generations import Generation, IndexWatcher, NotServed, uses_faiss

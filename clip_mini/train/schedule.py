@@ -74,7 +74,8 @@ class Schedule:
                     self.warm_step, self.warm_factor, self.warmup = step, reached, cap
                 self.cos_step, self.cos_progress = self.warmup, 0.0
         else:   # from the progress of the step that last ran (``step`` itself was to be the last of a plan ending now)
-            self.cos_step, self.cos_progress = step - 1, self.progress(step - 1)
+            anchor = max(step - 1, self.warmup)
+            self.cos_step, self.cos_progress = anchor, self.progress(anchor)
         self.total = total
 
     def _progress_at(self, factor: float) -> float:
