@@ -64,4 +64,5 @@ def test_two_gloo_ranks_agree_on_the_cache_and_on_a_refit_one_rank_asks_for(tmp_
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["step"] == ranks[1]["step"] == ranks[0]["budget"]["total"]
     assert ranks[0]["refits"] == ranks[1]["refits"] and 12 in ranks[1]["refits"]   # rank 1 too, though only rank 0
-    assert ranks[0]["budget"]["fits"] == ranks[1]["budget"]["fits"]                  # was late, to the same plan
+    # was late; each rank's own fit differs by its step times, the plan they ran is the smallest: the same total
+    assert ranks[0]["budget"]["total"] == ranks[1]["budget"]["total"]
