@@ -68,7 +68,7 @@ PEER_VOCAB, PEER_TOKENS, PEER_IMAGE = 8192, 32, 64
 
 
 def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: bool = False,
-                    bf16_weights: bool = False):
+                    bf16_weights: bool = False, precision: str = "bf16"):
     """clip_mini's training step at the peer size, as ``train.loop`` runs it; returns (step, flop-counted pass).
 
     ``lever_off``: run it without one speed lever, to measure what that lever gives: ``"plain_attention"`` (the
@@ -78,6 +78,8 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
     per-op casts; the 0-d ``logit_scale`` stays fp32), AdamW on fp32 master copies of them (bf16 gradients
     widened into the masters' ``.grad``, clipped there, the stepped masters rounded back into the model), as
     mixed-precision training with master weights does. It measures what removing autocast's casts could give.
+    ``precision``: the step's autocast, "bf16" or "fp32" (no autocast: what ``precision: auto`` trains at on a
+    CPU without native bf16).
     """
     from contextlib import ExitStack
     from unittest import mock
@@ -94,7 +96,7 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
                       text=TextConfig(dim=192, n_layers=4, n_heads=3, hidden_dim=768, dropout=0.0,
                                       max_length=PEER_TOKENS),
                       embed_dim=128, head="linear", head_dropout=0.0)
-    t = TrainConfig(lr=5e-4, precision="bf16")
+    t = TrainConfig(lr=5e-4, precision=precision)
     torch.manual_seed(0)
     model = CLIPModel(cfg, vocab_size=PEER_VOCAB)
     optimizer = build_optimizer(model, t)
@@ -155,14 +157,15 @@ def _clip_mini_step(batch_size: int, lever_off: str | None = None, compiled: boo
     return step, counted
 
 
-def _open_clip_step(batch_size: int, math_sdpa: bool = False):
-    """open_clip's step at the same size (bf16 autocast, its ClipLoss, AdamW as open_clip_train sets it up)."""
+def _open_clip_step(batch_size: int, math_sdpa: bool = False, precision: str = "bf16"):
+    """open_clip's step at the same size (bf16 autocast as open_clip_train's ``amp_bf16``, or fp32 as its
+    ``--precision fp32``; its ClipLoss, AdamW as open_clip_train sets it up)."""
     from contextlib import nullcontext
 
     from open_clip.loss import ClipLoss
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from openclip_peer import build_model, build_optimizer
+    from benchmarks.quality.openclip_peer import build_model, build_optimizer
 
     torch.manual_seed(0)
     model = build_model(PEER_IMAGE, 128, PEER_TOKENS, PEER_VOCAB)
@@ -174,7 +177,7 @@ def _open_clip_step(batch_size: int, math_sdpa: bool = False):
 
     def forward_backward() -> None:
         with sdpa_kernel(SDPBackend.MATH) if math_sdpa else nullcontext():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                 image_features, text_features, logit_scale = model(pixels, ids)
                 loss = loss_fn(image_features.float(), text_features.float(), logit_scale.float())
             loss.backward()
@@ -229,23 +232,32 @@ def _profile(step, steps: int = 3) -> dict:
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
-    """Interleaved rounds of: fp32 peak, bf16 peak, then one step of each arm: clip_mini, clip_mini without each
-    lever, open_clip, open_clip under the math SDPA backend."""
+def bench_peer(batch_size: int, rounds: int, warmup: int, bf16: bool = True) -> dict:
+    """Interleaved rounds of: fp32 peak, bf16 peak, then one step of each arm. fp32 arms always (clip_mini, without
+    its attention lever, compiled; open_clip): what every CPU without native bf16 trains at. bf16 arms when
+    ``bf16`` (clip_mini, without each lever, compiled, bf16 weights; open_clip, open_clip under the math SDPA
+    backend): where bf16 is emulated they would time the emulation, so the caller passes the hardware rule."""
     import statistics
 
-    arms = {"clip_mini": _clip_mini_step(batch_size),
-            "clip_mini_without_plain_attention": _clip_mini_step(batch_size, "plain_attention"),
-            "clip_mini_without_fused_adamw": _clip_mini_step(batch_size, "fused_adamw"),
-            "clip_mini_compiled": _clip_mini_step(batch_size, compiled=True),
-            "clip_mini_bf16_weights": _clip_mini_step(batch_size, bf16_weights=True),
-            "clip_mini_bf16_weights_compiled": _clip_mini_step(batch_size, compiled=True, bf16_weights=True),
-            "open_clip": _open_clip_step(batch_size),
-            "open_clip_math_sdpa": _open_clip_step(batch_size, math_sdpa=True)}
-    # the compiled arm does the same arithmetic; FlopCounterMode cannot see inside an inductor graph
+    fp32_arms = {"clip_mini_fp32": _clip_mini_step(batch_size, precision="fp32"),
+                 "clip_mini_fp32_without_plain_attention": _clip_mini_step(batch_size, "plain_attention",
+                                                                           precision="fp32"),
+                 "clip_mini_fp32_compiled": _clip_mini_step(batch_size, compiled=True, precision="fp32"),
+                 "open_clip_fp32": _open_clip_step(batch_size, precision="fp32")}
+    bf16_arms = {"clip_mini": _clip_mini_step(batch_size),
+                 "clip_mini_without_plain_attention": _clip_mini_step(batch_size, "plain_attention"),
+                 "clip_mini_without_fused_adamw": _clip_mini_step(batch_size, "fused_adamw"),
+                 "clip_mini_compiled": _clip_mini_step(batch_size, compiled=True),
+                 "clip_mini_bf16_weights": _clip_mini_step(batch_size, bf16_weights=True),
+                 "clip_mini_bf16_weights_compiled": _clip_mini_step(batch_size, compiled=True, bf16_weights=True),
+                 "open_clip": _open_clip_step(batch_size),
+                 "open_clip_math_sdpa": _open_clip_step(batch_size, math_sdpa=True)} if bf16 else {}
+    arms = {**fp32_arms, **bf16_arms}
+    # a compiled arm does its eager twin's arithmetic; FlopCounterMode cannot see inside an inductor graph
     flops = {name: _flops(counted) for name, (_, counted) in arms.items() if not name.endswith("_compiled")}
-    flops["clip_mini_compiled"] = flops["clip_mini"]
-    flops["clip_mini_bf16_weights_compiled"] = flops["clip_mini_bf16_weights"]
+    for name in arms:
+        if name.endswith("_compiled"):
+            flops[name] = flops[name[:-len("_compiled")]]
     for _ in range(warmup):   # the compiled arm compiles here
         for step, _ in arms.values():
             step()
@@ -263,18 +275,26 @@ def bench_peer(batch_size: int, rounds: int, warmup: int) -> dict:
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             faults[name].append(r1.ru_minflt - r0.ru_minflt)
             kernel[name].append(r1.ru_stime - r0.ru_stime)
-    fp32, bf16 = statistics.median(peaks["fp32"]), statistics.median(peaks["bf16"])
+    fp32, bf16_peak = statistics.median(peaks["fp32"]), statistics.median(peaks["bf16"])
     out = {"batch_pairs": batch_size, "rounds": rounds, "fp32_matmul_peak_gflops": fp32,
-           "bf16_matmul_peak_gflops": bf16,
-           "step_profile_s": {name: _profile(arms[name][0]) for name in ("clip_mini", "clip_mini_bf16_weights")}}
+           "bf16_matmul_peak_gflops": bf16_peak, "bf16_arms": bf16,
+           "step_profile_s": {name: _profile(arms[name][0]) for name in
+                              ("clip_mini_fp32", "clip_mini", "clip_mini_bf16_weights") if name in arms}}
     for name in arms:
         step_s = statistics.median(times[name])
         gflops = flops[name] / 1e9 / step_s
         out[name] = {"step_s": step_s, "pairs_per_s": batch_size / step_s, "gflop_per_step": flops[name] / 1e9,
                      "achieved_gflops": gflops, "fraction_of_fp32_peak": gflops / fp32,
-                     "fraction_of_bf16_peak": gflops / bf16, "step_s_all": times[name],
+                     "fraction_of_bf16_peak": gflops / bf16_peak, "step_s_all": times[name],
                      "page_faults_per_step": statistics.median(faults[name]),
                      "kernel_cpu_s_per_step": statistics.median(kernel[name])}
+    out["fp32_speedup_vs_open_clip_fp32"] = out["open_clip_fp32"]["step_s"] / out["clip_mini_fp32"]["step_s"]
+    out["fp32_compiled_speedup_vs_open_clip_fp32"] = (out["open_clip_fp32"]["step_s"]
+                                                      / out["clip_mini_fp32_compiled"]["step_s"])
+    out["fp32_plain_attention_gain"] = (out["clip_mini_fp32_without_plain_attention"]["step_s"]
+                                        / out["clip_mini_fp32"]["step_s"])
+    if not bf16:
+        return out
     out["speedup_vs_open_clip"] = out["open_clip"]["step_s"] / out["clip_mini"]["step_s"]
     out["speedup_vs_open_clip_math_sdpa"] = out["open_clip_math_sdpa"]["step_s"] / out["clip_mini"]["step_s"]
     out["plain_attention_gain"] = out["clip_mini_without_plain_attention"]["step_s"] / out["clip_mini"]["step_s"]
@@ -431,6 +451,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8, help="interleaved peer rounds per batch size")
     p.add_argument("--peer-batches", type=int, nargs="*", default=[128, 64], help="none: skip the peer")
+    p.add_argument("--bf16-arms", choices=["auto", "on", "off"], default="auto",
+                   help="the peer's bf16 arms: auto runs them where the CPU computes bf16 natively (AVX512-BF16, "
+                        "AMX); elsewhere they would time the emulation")
     p.add_argument("--configs", nargs="*", default=["tiny", "flickr8k", "flickr8k-pixels"],
                    help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0; "
                    "flickr8k-compiled: with train.compile=true; flickr8k-torch-dropout: the text tower's dropout on "
@@ -456,14 +479,22 @@ def main(argv: list[str] | None = None) -> dict:
         result["peer"] = {"skipped": "open_clip_torch is not installed (pip install -e '.[bench]')"}
         print(f"peer: {result['peer']['skipped']}", file=sys.stderr)
     elif args.peer_batches:
+        from clip_mini.runtime.isa import cpu_native_bf16
+
+        bf16 = args.bf16_arms == "on" or (args.bf16_arms == "auto" and cpu_native_bf16())
         for batch in args.peer_batches:
-            r = bench_peer(batch, args.rounds, args.warmup)
+            r = bench_peer(batch, args.rounds, args.warmup, bf16=bf16)
             result["peer"][str(batch)] = r
-            c, o = r["clip_mini"], r["open_clip"]
-            print(f"peer batch {batch}: clip_mini {c['pairs_per_s']:.0f} pairs/s ({c['achieved_gflops']:.0f} GFLOP/s, "
-                  f"{c['fraction_of_fp32_peak']:.2f}x fp32 peak {r['fp32_matmul_peak_gflops']:.0f}), open_clip "
-                  f"{o['pairs_per_s']:.0f} pairs/s: {r['speedup_vs_open_clip']:.2f}x "
-                  f"({r['speedup_vs_open_clip_math_sdpa']:.2f}x vs open_clip with math SDPA)", file=sys.stderr)
+            c, o = r["clip_mini_fp32"], r["open_clip_fp32"]
+            print(f"peer batch {batch} fp32: clip_mini {c['pairs_per_s']:.0f} pairs/s ({c['achieved_gflops']:.0f} "
+                  f"GFLOP/s, {c['fraction_of_fp32_peak']:.2f}x fp32 peak {r['fp32_matmul_peak_gflops']:.0f}), "
+                  f"open_clip {o['pairs_per_s']:.0f} pairs/s ({o['fraction_of_fp32_peak']:.2f}x peak): "
+                  f"{r['fp32_speedup_vs_open_clip_fp32']:.2f}x", file=sys.stderr)
+            if bf16:
+                c, o = r["clip_mini"], r["open_clip"]
+                print(f"peer batch {batch} bf16: clip_mini {c['pairs_per_s']:.0f} pairs/s, open_clip "
+                      f"{o['pairs_per_s']:.0f} pairs/s: {r['speedup_vs_open_clip']:.2f}x "
+                      f"({r['speedup_vs_open_clip_math_sdpa']:.2f}x vs open_clip with math SDPA)", file=sys.stderr)
     for name in args.configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = _config(name, Path(tmp))
