@@ -1,6 +1,8 @@
 """clip_mini: a small CLIP-style image–text dual encoder (timm ViT + DistilBERT).
 
     import clip_mini
+    clip_mini.list_models()                                      # built-in models, e.g. ["photos"]
+    model = clip_mini.load("photos")                             # a built-in name, or a model directory:
     model = clip_mini.load("runs/tiny/best")                     # device="auto": CUDA when available, else CPU
     text_features = model.encode_text(["a red circle"])          # (1, d) float32, L2-normalised
     image_features = model.encode_image("photo.jpg")             # (d,) for a single image
@@ -22,10 +24,11 @@ from clip_mini.version import __version__  # noqa: E402
 
 
 def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "auto"):
-    """Load a model directory as an ``Embedder`` with ``encode_text`` / ``encode_image``.
+    """Load a model directory or a built-in model as an ``Embedder`` with ``encode_text`` / ``encode_image``.
 
     Args:
-        model_dir: a model directory (``runs/<name>/best``).
+        model_dir: a model directory (``runs/<name>/best``), or the name of a built-in model (``list_models()``;
+            the first use builds it once into the user cache from its towers' PyPI packages).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         batch_size: default inputs per forward pass.
         precision: "auto" (bf16 where the device computes it natively, else fp32), "fp32", "bf16" or "fp16".
@@ -37,6 +40,7 @@ def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str =
 
 # Lazy: `import clip_mini` stays cheap (the CLI's start-up time depends on it). name -> defining module.
 _LAZY = {
+    "list_models": "clip_mini.builtin.registry",   # names of the built-in models (clip-mini models)
     "CLIPModel": "clip_mini.model.clip",
     "Embedder": "clip_mini.embed",
     "EmbeddingIndex": "clip_mini.retrieval.index",

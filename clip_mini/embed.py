@@ -76,9 +76,13 @@ class Embedder:
     @classmethod
     def load(cls, model_dir: str | Path, device: DeviceArg = "auto", batch_size: int = 64,
              precision: str = "auto") -> "Embedder":
+        """A model directory, or the name of a built-in model (``clip_mini.list_models()``; built into the user
+        cache on first use: ``clip_mini.builtin.registry``), as an ``Embedder``."""
+        from clip_mini.builtin.registry import resolve_model
         from clip_mini.model.clip import CLIPModel
 
         device = resolve_device(device)   # before reading weights: a bad --device fails at once
+        model_dir = resolve_model(model_dir)
         return cls(CLIPModel.from_pretrained(model_dir), device=device, batch_size=batch_size, precision=precision,
                    model_dir=model_dir)
 
@@ -332,7 +336,7 @@ class Embedder:
 
 
 def load(model_dir, device: str = "auto", batch_size: int = 64, precision: str = "auto") -> Embedder:
-    """``clip_mini.load``: a model directory as an ``Embedder`` (see ``Embedder.load``)."""
+    """``clip_mini.load``: a model directory or built-in model name as an ``Embedder`` (see ``Embedder.load``)."""
     return Embedder.load(model_dir, device=device, batch_size=batch_size, precision=precision)
 
 def check_labels(labels: Any) -> list[str]:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from clip_mini.cli.common import add_device, add_quiet, check_output_folder, command_parser, count
+from clip_mini.cli.common import (MODEL_HELP, add_device, add_quiet, check_output_folder, command_parser, count,
+                                  resolve_model_arg)
 
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -11,7 +12,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         sub, "attention", "overlay the CLS token's attention on an image",
         "Draw where the ViT image tower's class token attends, over the image (ViT towers only).",
         "clip-mini attention --model runs/tiny/best photo.jpg --out attn.png --mode rollout")
-    at.add_argument("--model", required=True, help="model directory (with a ViT image tower)")
+    at.add_argument("--model", required=True, help=MODEL_HELP[:-1] + "; with a ViT image tower)")
     at.add_argument("image", help="image file")
     at.add_argument("--out", required=True, help="output PNG")
     at.add_argument("--mode", default="mean", choices=["mean", "rollout"],
@@ -36,6 +37,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
     from clip_mini.runtime.devices import resolve_device
 
     device = resolve_device(args.device)
+    resolve_model_arg(args)
     backbone = image_backbone(args.model)   # from config.json: refuse before loading weights or reading the image
     if backbone != "vit":
         raise InputError(f"attention maps need a ViT image tower; {args.model} uses {backbone}")

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from clip_mini.cli.common import command_parser, add_device, add_quiet, positive_int
+from clip_mini.cli.common import MODEL_HELP, command_parser, add_device, add_quiet, positive_int, resolve_model_arg
 
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         'clip-mini classify --model runs/tiny/best --images photos/ --labels "cat,dog,beach" --out labels.csv',
         'clip-mini classify --model M --images data/shapes/images --labels-file colours.txt --template "a {} shape" '
         '--template "a {} object" --truth truth.csv --confusion confusion.png')
-    cl.add_argument("--model", required=True, help="model directory")
+    cl.add_argument("--model", required=True, help=MODEL_HELP)
     cl.add_argument("--images", required=True, help="folder of images (searched recursively)")
     cl.add_argument("--labels", help='class names separated by commas: "cat,dog,beach"')
     cl.add_argument("--labels-file", help="class names, one a line (added after --labels)")
@@ -52,6 +52,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
     if not paths:
         raise EvalError(f"no images found under {args.images} (looked for .jpg, .png, .webp, ...)")
     truth = read_truth(args.truth, args.images) if args.truth else None
+    resolve_model_arg(args)
     embedder = load(args.model, device=args.device, batch_size=args.batch_size)
     result = classify_files(embedder, paths, labels, templates, args.top, truth, progress=not args.quiet)
     for path, reason in result["skipped"].items():

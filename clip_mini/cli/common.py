@@ -56,6 +56,18 @@ def check_output_folder(path: str, option: str) -> None:
         raise InputError(f"{option} {path}: the folder {folder} {what} (create it first)")
 
 
+MODEL_HELP = "model directory or built-in name (clip-mini models)"
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """Turn ``--model`` (a model directory or a built-in name) into a model directory, in place: a built-in is
+    built into the user cache on first use, and found there later without importing torch."""
+    if getattr(args, "model", None):
+        from clip_mini.builtin.registry import resolve_model
+
+        args.model = str(resolve_model(args.model))
+
+
 def add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars or info lines (results only)")
 

@@ -6,7 +6,8 @@ import contextlib
 import io
 import sys
 
-from clip_mini.cli.common import command_parser, add_device, add_quiet, positive_int, count
+from clip_mini.cli.common import (MODEL_HELP, command_parser, add_device, add_quiet, positive_int, count,
+                                  resolve_model_arg)
 from clip_mini.cli.printing import print_json, rounded
 
 
@@ -20,7 +21,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         "clip-mini eval --model runs/tiny/best --data configs/tiny.yaml",
         "clip-mini eval --model runs/tiny/best --labels data/shapes/labels.csv --label-col colour "
         '--template "a {} shape"')
-    ev.add_argument("--model", required=True, help="model directory")
+    ev.add_argument("--model", required=True, help=MODEL_HELP)
     ev.add_argument("--data", help="config YAML (data section) for retrieval recall@K")
     ev.add_argument("--split", default=None, choices=["train", "val", "test"],
                     help="split to score (default: val); a test scoring first writes a line in the test ledger "
@@ -51,6 +52,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if (args.data is None) == (args.labels is None):
         raise EvalError("eval needs --data CONFIG (retrieval) or --labels FILE (zero-shot), one of them")
     device = resolve_device(args.device)
+    resolve_model_arg(args)
     workers, progress = default_workers(args.workers, device), not args.quiet
     # Progress lines from the data pipeline go to stderr: stdout carries only the results (pipeable JSON).
     with contextlib.redirect_stdout(io.StringIO() if args.quiet else sys.stderr):

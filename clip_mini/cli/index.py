@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
 
-from clip_mini.cli.common import command_parser, add_device, add_quiet, positive_int, count
+from clip_mini.cli.common import (MODEL_HELP, command_parser, add_device, add_quiet, positive_int, count,
+                                  resolve_model_arg)
 
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -17,11 +19,13 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         "after a kill, and readable while it is being updated. Item paths are stored relative to the indexed\n"
         "folder, so the folder and its index can be moved together.",
         "clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos",
+        "clip-mini index --images photos/ --out indexes/photos   # the built-in model 'photos' (clip-mini models)",
         "clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos --exclude-dir @eaDir "
         "--exclude-dir drafts",
         "clip-mini index --model runs/tiny/best --captions data/shapes/captions.csv --out indexes/shapes")
     ix.add_argument("--out", required=True, help="index directory (created, or updated incrementally)")
-    ix.add_argument("--model", help="model directory")
+    ix.add_argument("--model", help=MODEL_HELP[:-1] + "; default for a new index: the built-in model "
+                                 "'photos', when installed)")
     src = ix.add_mutually_exclusive_group()
     src.add_argument("--images", help="folder of images (searched recursively)")
     src.add_argument("--captions", metavar="FILE",
@@ -79,9 +83,11 @@ def cmd_index(args: argparse.Namespace) -> int:
         return 0
     if args.shards is not None or args.ray is not None:
         return _index_shards(args, progress)
-    if args.model is None or (args.images is None and args.data is None and args.captions is None):
+    if args.images is None and args.data is None and args.captions is None:
         raise EmbeddingIndexError("index needs --model and one of --images FOLDER, --captions FILE or --data CONFIG "
                                   "(or --merge)")
+    if args.model is None:
+        _default_model(args, EmbeddingIndexError)
     from clip_mini.runtime.devices import resolve_device, resolve_precision
 
     device = resolve_device(args.device)   # a bad --device fails before anything is read
@@ -94,6 +100,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from clip_mini.embed import load
     from clip_mini.retrieval.build import sync_index
 
+    resolve_model_arg(args)   # a built-in name: built into the user cache once; the index records the directory
     embedder = load(args.model, device=device, batch_size=args.batch_size)
     index = sync_index(args.out, embedder, images, captions=captions, prune=not args.add,
                        batch_size=args.batch_size, workers=args.workers,
@@ -114,15 +121,41 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_model(args: argparse.Namespace, error) -> None:
+    """No --model: a new index gets the built-in default model; an existing one needs the model it was built with
+    (as before built-in models), so that a forgotten --model never reaches its fingerprint check."""
+    from pathlib import Path
+
+    from clip_mini.builtin.registry import DEFAULT_MODEL, list_models
+
+    out = Path(args.out)
+    if (out / "manifest.json").exists() or (out / "shards").exists():
+        try:
+            built_with = f" ({json.loads((out / 'manifest.json').read_text(encoding='utf-8'))['model_dir']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            built_with = ""
+        raise error(f"index needs --model: {out} is an existing index, updated with the model it was built with"
+                    f"{built_with}: give --model DIR (or a built-in name)")
+    if DEFAULT_MODEL not in list_models():
+        raise error("index needs --model DIR (a model directory or a built-in name: no built-in model "
+                    f"'{DEFAULT_MODEL}' is installed) and one of --images FOLDER, --captions FILE or --data CONFIG "
+                    "(or --merge)")
+    args.model = DEFAULT_MODEL
+    if not args.quiet:
+        print(f"no --model: using the built-in model '{DEFAULT_MODEL}'", file=sys.stderr)
+
+
 def _index_shards(args: argparse.Namespace, progress: bool) -> int:
     """``index --shards PATTERN [--ray [ADDRESS]]``: WebDataset shards into an index (see retrieval.wds_source)."""
     from clip_mini.retrieval.format import EmbeddingIndexError
 
     if args.shards is None or args.model is None:
-        raise EmbeddingIndexError("index --shards needs --model DIR and --shards PATTERN (--ray works with --shards)")
+        raise EmbeddingIndexError("index --shards needs --model (a model directory or built-in name) and --shards "
+                                  "PATTERN (--ray works with --shards)")
     if args.shard is not None or args.add or args.exclude_dir is not None or args.include_hidden:
         raise EmbeddingIndexError("--shard, --add, --exclude-dir and --include-hidden are for image folders; "
                                   "--shards indexes shard by shard already")
+    resolve_model_arg(args)
     from clip_mini.data.webdataset import expand_shards
     from clip_mini.embed import load
     from clip_mini.retrieval.wds_source import index_shards

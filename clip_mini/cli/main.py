@@ -1,14 +1,16 @@
-"""``clip-mini``: train, index, search, eval, attention, serve, convert, dupes, classify.
+"""``clip-mini``: train, index, search, eval, attention, serve, convert, dupes, classify, models.
 
     clip-mini --version
     clip-mini train --config configs/tiny.yaml [--set train.epochs=3] [--resume] [--print-config]
     clip-mini index --model runs/tiny/best --images photos/ --out indexes/photos [--device auto|cpu|cuda:0]
+    clip-mini index --images photos/ --out indexes/photos        # no --model: the built-in model 'photos'
     clip-mini search --index indexes/photos "a dog running on grass" -k 10 --grid hits.png
     clip-mini eval --model runs/tiny/best --data configs/tiny.yaml --split test
     clip-mini attention --model runs/tiny/best photo.jpg --out attn.png
     clip-mini serve --index indexes/photos [--port 8000]
     clip-mini dupes --index indexes/photos [--threshold 0.965] [--json] [--grid dupes.png]
     clip-mini classify --model runs/tiny/best --images photos/ --labels "cat,dog,beach" --out labels.csv
+    clip-mini models                                              # built-in models: --model NAME works too
 
 Heavy libraries are imported inside the command that needs them: ``search`` never imports torch (see
 ``clip_mini.retrieval.query``). Errors raised by clip_mini for bad input print ``error: <message>`` and exit with status 2.
@@ -23,7 +25,7 @@ from typing import Optional, Sequence
 
 from clip_mini.cli.common import EXIT_INTERRUPTED, EXIT_USER_ERROR, is_user_error
 
-COMMANDS = ("train", "index", "search", "eval", "attention", "serve", "convert", "dupes", "classify")
+COMMANDS = ("train", "index", "search", "eval", "attention", "serve", "convert", "dupes", "classify", "models")
 
 
 def build_parser(prog: str = "clip-mini", commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:

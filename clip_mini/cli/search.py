@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from clip_mini.cli.common import add_device, add_quiet, check_output_folder, command_parser, positive_int
+from clip_mini.cli.common import (MODEL_HELP, add_device, add_quiet, check_output_folder, command_parser, positive_int,
+                                  resolve_model_arg)
 from clip_mini.cli.printing import print_json, print_results
 
 EXIT_NO_HITS = 1   # grep's status for "nothing found": `clip-mini search ... --paths && ...` chains on it
@@ -33,7 +34,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     se.add_argument("--image", help="an image query term (added to the others with +)")
     se.add_argument("-k", type=positive_int, default=10,
                     help="number of results (at most the index's size: a larger k lists every image, with a note)")
-    se.add_argument("--model", help="model directory (default: the one recorded in the index)")
+    se.add_argument("--model", help=MODEL_HELP[:-1] + "; default: the one recorded in the index)")
     se.add_argument("--backend", default="auto", choices=["auto", "exact", "faiss"], help="search back end")
     se.add_argument("--json", action="store_true", help="print JSON instead of a table")
     se.add_argument("--grid", metavar="PNG", help="draw the results with rank, score and file name into this PNG")
@@ -68,6 +69,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.grid:
         check_output_folder(args.grid, "--grid")
     index = EmbeddingIndex.load(args.index, verify=not args.no_verify)
+    resolve_model_arg(args)   # a built-in name: its cached directory, found without torch
     if args.backend == "faiss" and "faiss" not in index.manifest["files"]:
         raise EmbeddingIndexError(f"--backend faiss: {args.index} has no faiss index (it was built without one); "
                                   "search it with --backend exact (or auto), or store one with "

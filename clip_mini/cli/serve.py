@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from clip_mini.cli.common import add_device, command_parser
+from clip_mini.cli.common import MODEL_HELP, add_device, command_parser, resolve_model_arg
 from clip_mini.serve.server import SERVE_CONFIG_ENV, TOKEN_ENV, ServeError, allowed_hosts, exposure
 
 
@@ -31,7 +31,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         "CLIP_MINI_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(24))') "
         "clip-mini serve --index indexes/photos --host 0.0.0.0 --port 8080")
     p.add_argument("--index", required=True, help="index directory (reloaded when a new generation is published)")
-    p.add_argument("--model", help="model directory (default: the one recorded in the index)")
+    p.add_argument("--model", help=MODEL_HELP[:-1] + "; default: the one recorded in the index)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--workers", type=int, default=1, help="server processes, each with its own model and index")
@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from clip_mini.runtime.devices import resolve_device
 
         device = str(resolve_device(device))
+    resolve_model_arg(args)   # the workers get the model directory, not the name
     cfg = ServeConfig(index=args.index, model=args.model, poll_s=args.poll, allowed_hosts=allowed_hosts(args.host),
                       device=device, token=token, preload_attention=not args.lazy_attention)
     service = Service(cfg)

@@ -124,6 +124,10 @@ class EmbeddingIndex(IndexReader):
 
     def _model_dir(self, model_dir: Optional[str | Path]) -> Path:
         if model_dir:
+            from clip_mini.builtin.registry import is_builtin_name, resolve_model
+
+            if is_builtin_name(model_dir):   # a built-in model's name: its directory in the user cache (torch-free)
+                return resolve_model(model_dir)
             if not Path(model_dir).is_dir():
                 raise EmbeddingIndexError(f"model directory {model_dir} not found")
             return Path(model_dir)
@@ -169,7 +173,8 @@ def _embedder(model, kwargs: dict):
     if isinstance(model, (str, os.PathLike)):
         from clip_mini.embed import load
 
-        return load(model, batch_size=kwargs.get("batch_size", 64)), {"model_dir": str(model), **kwargs}
+        embedder = load(model, batch_size=kwargs.get("batch_size", 64))   # a built-in name: its cached directory
+        return embedder, {"model_dir": embedder.model_dir, **kwargs}
     if getattr(model, "model_dir", None) is not None:   # a loaded Embedder knows where it came from
         kwargs = {"model_dir": model.model_dir, **kwargs}
     return model, kwargs
