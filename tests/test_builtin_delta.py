@@ -32,7 +32,7 @@ def test_delta_stores_only_what_changed_in_its_compact_form(pair):
     assert set(delta) == {"text.embeddings.word_embeddings.weight@scale", "text.embeddings.word_embeddings.weight@rows",
                           "text.embeddings.word_embeddings.weight@values", "visual.blocks.0.fc1.weight@a",
                           "visual.blocks.0.fc1.weight@b", "visual.norm.bias", "visual.pos_embed",
-                          "head_image.proj.weight"}
+                          "head_image.proj.weight@whole"}
     assert delta["text.embeddings.word_embeddings.weight@rows"].tolist() == [3, 70, 4999]
     assert delta["visual.blocks.0.fc1.weight@a"].shape == (4, 64)
     assert delta["visual.blocks.0.fc1.weight@b"].shape == (96, 4)
@@ -79,3 +79,13 @@ def test_a_delta_that_does_not_fit_the_model_is_refused(pair):
         apply_delta(base, rows)
     with pytest.raises(ValueError):
         make_delta(trained, base, rank=0)
+    with pytest.raises(ModelDirError, match="visual.norm.bias"):
+        apply_delta(base, {"visual.norm.bias": torch.zeros(3, dtype=torch.float16)})
+
+
+def test_a_whole_tensor_replaces_what_the_base_holds_under_its_name(pair):
+    base, trained = pair
+    delta = make_delta(trained, base, rank=4)
+    noisy = dict(base, **{"head_image.proj.weight": torch.randn(16, 64)})   # a freshly built model's random head
+    state = apply_delta(noisy, delta)
+    assert torch.allclose(state["head_image.proj.weight"], trained["head_image.proj.weight"], atol=2e-3)

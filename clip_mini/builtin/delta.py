@@ -3,8 +3,8 @@
 The towers (DINOv2 ViT-S/14, MiniLM-L6) come from PyPI packages; what training changed is ours to ship. A full
 fp16 copy of the trained tensors would be ~75 MB, so the delta stores, per tensor of the state dict:
 
-* ``KEY`` -- the difference ``trained - base`` in fp16, for small tensors (norms, biases, positions, heads' own
-  tensors: those with no base are stored whole);
+* ``KEY`` -- the difference ``trained - base`` in fp16, for small tensors (norms, biases, positions);
+* ``KEY@whole`` -- a tensor the base does not have (the heads, the temperature), stored as it is;
 * ``KEY@a`` / ``KEY@b`` -- a rank-r factorisation ``b @ a`` of the difference of a large matrix (truncated SVD,
   the "LoRA extraction" of a full fine-tune);
 * ``KEY@rows`` / ``KEY@values`` / ``KEY@scale`` -- an embedding table: every row is scaled by ``scale`` (the
@@ -41,7 +41,7 @@ def make_delta(trained: Mapping[str, torch.Tensor], base: Mapping[str, torch.Ten
         t = value.detach().float().cpu()
         b = base.get(key)
         if b is None or tuple(b.shape) != tuple(t.shape):
-            out[key] = t.half() if t.is_floating_point() else value.detach().cpu()
+            out[f"{key}@whole"] = t.half() if t.is_floating_point() and t.ndim else value.detach().cpu().clone()
             continue
         b = b.detach().float().cpu()
         if not t.is_floating_point() or torch.equal(t, b):
@@ -79,17 +79,19 @@ def apply_delta(base: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tens
         key, _, part = name.partition("@")
         groups.setdefault(key, {})[part] = value
     for key, parts in groups.items():
-        if set(parts) == {""}:
-            value = parts[""]
-            if key in state and tuple(state[key].shape) == tuple(value.shape):
-                state[key] = state[key] + value.float() if state[key].is_floating_point() else value.clone()
-            else:
-                state[key] = value.float() if value.is_floating_point() else value.clone()
+        if set(parts) == {"whole"}:
+            value = parts["whole"]
+            state[key] = value.float() if value.is_floating_point() else value.clone()
             continue
         if key not in state:
             raise ModelDirError(f"the delta changes {key!r}, which the model does not have")
         w = state[key]
-        if set(parts) == {"a", "b"}:
+        if set(parts) == {""}:
+            if tuple(parts[""].shape) != tuple(w.shape) or not w.is_floating_point():
+                raise ModelDirError(f"the delta's difference for {key!r} has shape {tuple(parts[''].shape)}, "
+                                    f"the model's tensor {tuple(w.shape)}")
+            state[key] = w + parts[""].float()
+        elif set(parts) == {"a", "b"}:
             low = parts["b"].float() @ parts["a"].float()
             if low.shape != w.shape:
                 raise ModelDirError(f"the delta's factors for {key!r} give {tuple(low.shape)}, "
@@ -103,8 +105,8 @@ def apply_delta(base: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tens
             w[rows] += values
             state[key] = w
         else:
-            raise ModelDirError(f"the delta stores {sorted(parts)} for {key!r}; expected a@b, rows/values/scale "
-                                "or one tensor")
+            raise ModelDirError(f"the delta stores {sorted(parts)} for {key!r}; expected a@b, rows/values/scale, "
+                                "whole or one difference")
     return state
 
 
