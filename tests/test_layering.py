@@ -1,6 +1,6 @@
 """Imports run one way, read from the source (AST), imports inside functions included:
 
-    cli, serve  ->  retrieval, train, eval  ->  embed  ->  features  ->  model, data, pictures
+    cli, serve  ->  retrieval, train, eval  ->  embed  ->  features, builtin  ->  model, data, pictures
                 ->  config, errors, version, runtime, fileio
 
 No import circles; the model never imports retrieval, serve, the CLI, training or evaluation; embed and eval never
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
-RETRIEVAL_ORDER = ["rows", "search", "items", "faiss_auto", "format", "dupe_groups", "dupes", "files", "reader",
+RETRIEVAL_ORDER = ["rows", "cutoff", "search", "items", "faiss_auto", "format", "dupe_groups", "dupes", "files", "reader",
                    "build", "shards", "wds_source", "ray_index", "preprocess_np", "query", "engine", "index"]
 # retrieval/search/: the modules of the search package, each importing only those before it
 SEARCH_ORDER = ["bounds", "shortlist", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
@@ -29,6 +29,9 @@ FORBIDDEN = {
     "data": ["model", "train", "eval", "retrieval", "serve", "cli", "embed", "features"],
     "pictures": ["model", "train", "eval", "retrieval", "serve", "cli", "embed", "features"],
     "features": ["train", "eval", "retrieval", "serve", "cli", "embed"],
+    # built-in models: a delta over the towers, materialised into a model directory; embed and retrieval resolve
+    # names through it
+    "builtin": ["train", "eval", "retrieval", "serve", "cli", "embed", "features", "pictures", "data"],
     "embed": ["train", "eval", "retrieval", "serve", "cli"],
     "eval": ["train", "retrieval", "serve", "cli"],
     "train": ["retrieval", "serve", "cli"],
