@@ -407,6 +407,39 @@ def test_glob_on_names_that_are_not_ascii_or_not_utf8():
     assert _PathTable("/r", off, blob).under_mask(os.fsdecode(b"caf\xe9")).tolist() == [False] * 4 + [True, False]
 
 
+def test_glob_shortcuts_agree_with_the_pattern_language():
+    """``*.jpg``, ``name.jpg`` and ``folder/**`` skip the regular expression: the same rows as matching it (and as
+    fnmatch would, where the two languages agree), on awkward paths."""
+    import fnmatch
+    import re
+
+    from clip_mini.retrieval.filters import _PathTable, glob_regex
+
+    names = ["a.jpg", "x/a.jpg", "x/ba.jpg", "x/a.jpg/b.png", "2024", "2024/x.jpg", "2024/t/y.jpg", "2024b/z.jpg",
+             "x/2024/q.jpg", "jpg", ".jpg", "x/.jpg", "é/a.jpg", "a.jpgx", "x/y/2024/trip/k.png"]
+    enc = [n.encode() for n in names]
+    off = np.zeros(len(enc) + 1, np.int64)
+    np.cumsum([len(b) for b in enc], out=off[1:])
+    table = _PathTable("/r", off, np.frombuffer(b"".join(enc), np.uint8))
+    rows = np.arange(len(names))
+    for pattern in ["*.jpg", "*a.jpg", "*", "a.jpg", "jpg", ".jpg", "2024", "2024/**", "/2024/**", "2024/", "/2024/",
+                    "2024/t/**", "x/**", "trip/", "*.png", "2024/*", "é/**"]:
+        fast = table._literal_glob(pattern, rows)
+        rx = re.compile(glob_regex(pattern))
+        want = [rx.fullmatch(n) is not None for n in names]
+        assert table.glob_mask(pattern, rows).tolist() == want, pattern
+        if fast is not None:
+            assert fast.tolist() == want, pattern
+        sub = rows[::2]   # a subset of rows, as after another filter
+        assert table.glob_mask(pattern, sub).tolist() == want[::2], pattern
+    assert table._literal_glob("*.jpg", rows) is not None and table._literal_glob("2024/**", rows) is not None
+    # where fnmatch and the pattern language agree: names with no "/" in them, patterns without "/"
+    flat = [n for n in names if "/" not in n]
+    for pattern in ["*.jpg", "?.jpg", "[a-z].jpg", "[!a].jpg", "*"]:
+        rx = re.compile(glob_regex(pattern))
+        assert [rx.fullmatch(n) is not None for n in flat] == [fnmatch.fnmatchcase(n, pattern) for n in flat]
+
+
 def test_dates_parse_in_the_documented_formats():
     from clip_mini.retrieval.filters import DATE_FORMATS, parse_date
 

@@ -11,7 +11,9 @@ all go through this module, so a filter means the same everywhere:
   **not** cross ``/``; ``**`` does (``2024/**/*.jpg``; ``**/`` is zero or more folders); ``[abc]``, ``[a-z]``,
   ``[!abc]`` as in ``fnmatch``. A pattern without ``/`` is matched against the file name at any depth (``*.jpg``,
   ``IMG_2*``); one with ``/`` against the whole relative path (a leading ``/`` only anchors it); one ending in ``/``
-  matches everything under that folder. Case-sensitive (``*.[jJ][pP][gG]`` for both cases).
+  matches everything in the folders it names (``2024/trip/``; ``trip/``: every folder named trip, at any depth).
+  Case-sensitive (``*.[jJ][pP][gG]`` for both cases). ``*.jpg``, ``name.jpg`` and ``folder/**`` are matched on the
+  path bytes in numpy; other patterns by one regular-expression scan over all the paths (~0.1-0.3 s at 1M rows).
 * ``after`` / ``before``: when the photo was taken (``taken``: EXIF DateTimeOriginal, else DateTime, else the file's
   mtime, recorded at index time, all as local wall-clock time). ``after D`` keeps photos taken at or after the
   start of D, ``before D`` those taken before the start of D: ``after 2024-01-01 before 2025-01-01`` is the year
@@ -283,6 +285,8 @@ def glob_regex(pattern: str) -> str:
             out.append(re.escape(c))
             i += 1
     body = "".join(out)
+    if anywhere and body.startswith("[^/\0]*"):   # "*.jpg": the same language, without the folder group's backtracking
+        return "[^\0]*" + body[len("[^/\0]*"):]
     return f"(?:[^\0]*/)?{body}" if anywhere else body
 
 
@@ -323,27 +327,65 @@ class _PathTable:
         n = len(self.offsets) - 1
         if not prefix:
             return np.ones(n, bool)
-        p = np.frombuffer(prefix.encode("utf-8", "surrogateescape"), np.uint8)
-        starts, lens = self.offsets[:-1], np.diff(self.offsets)
-        cand = np.flatnonzero(lens >= len(p))
-        for j, byte in enumerate(p):   # candidates shrink byte by byte: the first bytes rule out most rows
-            cand = cand[self.blob[starts[cand] + j] == byte]
+        p = prefix.encode("utf-8", "surrogateescape")
+        rows = self._affix(np.arange(n), p, end=False)
+        lens = self.offsets[rows + 1] - self.offsets[rows]
+        nxt = np.full(len(rows), ord("/"), np.uint8)
+        longer = lens > len(p)
+        nxt[longer] = self.blob[self.offsets[rows[longer]] + len(p)]
+        keep = np.zeros(n, bool)
+        keep[rows[nxt == ord("/")]] = True   # "2024" keeps 2024/x.jpg and 2024 itself, not 2024b/x.jpg
+        return keep
+
+    def _affix(self, rows: np.ndarray, data: bytes, end: bool) -> np.ndarray:
+        """Those of ``rows`` whose path starts (``end`` False) or ends with the bytes ``data``: compared byte by
+        byte in numpy, the candidates shrinking at each step (the first bytes compared rule out most rows)."""
+        starts, ends = self.offsets[rows], self.offsets[rows + 1]
+        cand = np.flatnonzero(ends - starts >= len(data))
+        base = (ends[cand] - len(data)) if end else starts[cand]
+        order = range(len(data) - 1, -1, -1) if end else range(len(data))   # a suffix from its last byte
+        for j in order:
+            ok = self.blob[base + j] == data[j]
+            cand, base = cand[ok], base[ok]
             if not len(cand):
                 break
-        if len(cand):
-            longer = lens[cand] > len(p)
-            nxt = np.full(len(cand), ord("/"), np.uint8)
-            nxt[longer] = self.blob[starts[cand[longer]] + len(p)]
-            cand = cand[nxt == ord("/")]   # "2024" keeps 2024/x.jpg and 2024 itself, not 2024b/x.jpg
-        keep = np.zeros(n, bool)
-        keep[cand] = True
+        return rows[cand]
+
+    def _literal_glob(self, pattern: str, rows: np.ndarray) -> Optional[np.ndarray]:
+        """The common patterns without a regular expression: ``*.jpg`` (a file-name suffix), ``name.jpg`` (a file
+        name at any depth), ``2024/trip/**`` or ``2024/trip/`` (everything in a folder); None for the others."""
+        special = re.compile(r"[*?\[]")
+        anywhere = "/" not in pattern.rstrip("/") and not pattern.startswith("/")
+        pat = pattern.lstrip("/")
+        enc = lambda text: text.encode("utf-8", "surrogateescape")   # noqa: E731
+        folder = None if anywhere else re.fullmatch(r"(.+?)/(?:\*\*)?", pat)
+        if anywhere and pat.startswith("*") and not special.search(pat[1:]) and not pat.endswith("/"):
+            found = self._affix(rows, enc(pat[1:]), end=True)   # the suffix has no "/": it ends the file name
+        elif anywhere and not special.search(pat) and not pat.endswith("/"):
+            name = enc(pat)
+            whole = self._affix(rows, name, end=False)
+            found = np.union1d(self._affix(rows, b"/" + name, end=True), whole[self._lens(whole) == len(name)])
+        elif folder is not None and not special.search(folder.group(1)):
+            prefix = enc(folder.group(1) + "/")
+            found = self._affix(rows, prefix, end=False)
+            found = found[self._lens(found) > len(prefix)]
+        else:
+            return None
+        keep = np.zeros(len(rows), bool)
+        keep[np.searchsorted(rows, found)] = True
         return keep
+
+    def _lens(self, rows: np.ndarray) -> np.ndarray:
+        return self.offsets[rows + 1] - self.offsets[rows]
 
     def glob_mask(self, pattern: str, rows: np.ndarray) -> np.ndarray:
         """For each of ``rows`` (sorted ids), whether its relative path matches ``pattern``.
 
         One regular-expression scan over the rows' paths joined by NUL bytes (decoded once), not one match call per
         row; a table that is not valid UTF-8 (a file name in another encoding) is matched row by row."""
+        fast = self._literal_glob(pattern, rows)
+        if fast is not None:
+            return fast
         body = glob_regex(pattern)
         off, blob = self.offsets, self.blob
         n = len(off) - 1
