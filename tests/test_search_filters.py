@@ -651,3 +651,68 @@ def test_batcher_searches_each_filter_on_its_own(index_dir):
         want_s, want_i = gen.index.search(qi[None], k, filters=where)
         assert ids.tolist() == want_i[0].tolist()
         np.testing.assert_allclose(scores, want_s[0], atol=1e-6)
+
+
+# -- the search page -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_page_filter_boxes_in_chromium(index_dir):
+    """The page's folder-or-pattern box and date inputs reach the API as under / glob / after, are named in the
+    status, and survive a reload of the shared link (headless chromium, as ``test_serve_browser``)."""
+    from test_serve_browser import CHROMEDRIVER, CHROMIUM, _serve
+
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (test extra)")
+    import httpx
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    os.environ.setdefault("SE_OFFLINE", "true")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,900"):
+        options.add_argument(arg)
+    try:
+        browser = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    except Exception as e:   # a chromium that cannot start here is no test failure
+        pytest.skip(f"headless chromium did not start: {type(e).__name__}: {str(e)[:300]}")
+    server = _serve(index_dir, {})
+    try:
+        url = next(server)
+        wait = WebDriverWait(browser, 120)
+        browser.get(url + "/")
+
+        def shown() -> list[str]:
+            return [h.get_attribute("data-path") for h in browser.find_elements(By.CSS_SELECTOR, "#results a.hit")]
+
+        browser.find_element(By.ID, "where").send_keys("2024/**")
+        browser.execute_script("document.getElementById('after').value = '2024-07-04'")   # typing dates is locale-bound
+        browser.find_element(By.ID, "q").send_keys(QUERY, Keys.ENTER)
+        wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query")
+                   == f"“{QUERY}” matching 2024/** taken after 2024-07-04")
+        api = httpx.get(f"{url}/api/search", params={"q": QUERY, "k": 24, "glob": "2024/**", "after": "2024-07-04"},
+                        timeout=60).json()
+        assert shown() == [r["path"] for r in api["results"]]
+        assert set(shown()) == {"2024/summer/pic1.png", "2024/summer/pic2.png", "2024/summer/pic3.png"}
+        assert "glob=2024" in browser.current_url and "after=2024-07-04" in browser.current_url
+        # a folder (no * ? [) is sent as `under`; a shared link restores the boxes and runs the search
+        where = browser.find_element(By.ID, "where")
+        where.clear()
+        where.send_keys("misc")
+        browser.execute_script("document.getElementById('after').value = ''")
+        browser.find_element(By.ID, "q").send_keys(Keys.ENTER)
+        wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query") == f"“{QUERY}” in misc")
+        assert sorted(shown()) == [f"misc/scan{j}.png" for j in range(4)] and "under=misc" in browser.current_url
+        browser.get(browser.current_url)
+        wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query") == f"“{QUERY}” in misc")
+        assert browser.find_element(By.ID, "where").get_attribute("value") == "misc"
+        # a bad filter: the server's message in the status line
+        browser.execute_script("document.getElementById('before').value = '2020-01-01';"
+                               "document.getElementById('after').value = '2021-01-01'")
+        browser.find_element(By.ID, "q").send_keys(Keys.ENTER)
+        wait.until(lambda d: "no date lies between" in d.find_element(By.ID, "status").text)
+    finally:
+        browser.quit()
+        server.close()
