@@ -133,7 +133,7 @@ def sha256_regular_files(paths: Sequence[str], max_bytes: Optional[int] = None, 
     With ``inspect``: ``(path, (digest, inspect(file)))``, ``inspect`` called on the descriptor just hashed (the
     same file, not whatever the name points at by then; its pages still cached), on the helper thread and within
     the same time bound; it should not raise (anything but an ``OSError`` is taken for a bug and re-raised)."""
-    return _only_os_errors(iter_bounded(paths, lambda p: _sha256_unbounded(p, max_bytes, inspect=inspect), timeout))
+    return _only_os_errors(iter_bounded(paths, lambda p: _sha256_unbounded(p, max_bytes, 1 << 20, inspect), timeout))
 
 
 def inspect_regular_files(paths: Sequence[str], inspect: Callable[[BinaryIO], T], timeout: Optional[float] = None
