@@ -384,6 +384,23 @@ def test_a_contiguous_folder_is_searched_in_place(tmp_path, monkeypatch):
     assert seen == [True, False]
 
 
+def test_kept_rows_are_cached_within_bounds(tmp_path, monkeypatch):
+    import clip_mini.retrieval.filters as F
+
+    index = _synthetic_index(tmp_path / "idx", 1000, 8)
+    a, b = F.SearchFilter.of(glob="*.png"), F.SearchFilter.of(under="f1")
+    assert a.rows(index) is a.rows(index) and F.SearchFilter.of(glob="*.png").rows(index) is a.rows(index)
+    assert not a.rows(index).flags.writeable
+    monkeypatch.setattr(F, "_CACHE_BYTES", a.rows(index).nbytes + 8)   # room for one of them
+    b.rows(index)
+    assert list(index.__dict__["_filter_rows"]) == [b]
+    monkeypatch.setattr(F, "_CACHE_BYTES", 1 << 30)
+    monkeypatch.setattr(F, "_CACHE", 3)
+    for month in range(1, 7):
+        F.SearchFilter.of(after=f"2016-{month:02d}").rows(index)
+    assert len(index.__dict__["_filter_rows"]) == 3
+
+
 def test_glob_on_names_that_are_not_ascii_or_not_utf8():
     from clip_mini.retrieval.filters import _PathTable
 

@@ -52,7 +52,8 @@ from clip_mini.retrieval.taken import TAKEN_COLUMNS
 DATE_FORMATS = ("YYYY", "YYYY-MM", "YYYY-MM-DD", "YYYY-MM-DDTHH:MM", "YYYY-MM-DDTHH:MM:SS")
 _DATE = re.compile(r"(\d{4})(?:-(\d{1,2})(?:-(\d{1,2})(?:[T ](\d{1,2}):(\d{2})(?::(\d{2}))?)?)?)?")
 _GATHER_BYTES = 32 << 20   # rows gathered (and searched) per block: memory stays bounded whatever the filter keeps
-_CACHE = 16                # filters whose kept rows an index remembers
+_CACHE = 16                # filters whose kept rows an index remembers ...
+_CACHE_BYTES = 256 << 20   # ... within this much memory (the newest is always kept)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class SearchFilter:
         rows.flags.writeable = False
         with lock:
             cache[self] = rows
-            while len(cache) > _CACHE:
+            while len(cache) > 1 and (len(cache) > _CACHE or sum(r.nbytes for r in cache.values()) > _CACHE_BYTES):
                 cache.popitem(last=False)
         return rows
 
