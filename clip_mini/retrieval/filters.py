@@ -87,8 +87,8 @@ class SearchFilter:
         if flt.glob is not None:
             glob_regex(flt.glob)   # a bad pattern fails here, before any index is opened
         if flt.after is not None and flt.before is not None and flt.after >= flt.before:
-            raise FilterError(f"after {_show(flt.after)} is not before before {_show(flt.before)}: no date lies "
-                              "between them")
+            raise FilterError(f"after {_show(flt.after)} and before {_show(flt.before)}: no date lies between "
+                              "them (after must be the earlier date)")
         return flt
 
     @property

@@ -38,8 +38,9 @@ ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
 # Rows indexed from WebDataset shards add where the image sits (path is "shard#key"); a reader that predates
 # them stops at the header with "expected columns ...", so the format version stays.
 WDS_COLUMNS = ("shard", "key", "offset", "length")
-# Rows of an image folder record when each photo was taken (``clip_mini.retrieval.taken``); a reader that predates
-# them ignores the extra columns, and an index without them searches as before (date filters ask for a re-index).
+# Rows of an image folder also record when each photo was taken (TAKEN_COLUMNS, ``clip_mini.retrieval.taken``): a
+# reader that predates them ignores the extra columns, and an index without them searches as before (date filters
+# ask for a re-index), so the format version stays too.
 _DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|cols|index)$")
 
 
