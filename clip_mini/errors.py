@@ -92,6 +92,16 @@ class EmbeddingIndexError(ClipMiniError, ValueError):
     """An index directory is missing, corrupt, busy or built with another model, or a request on it is unusable."""
 
 
+class FilterError(EmbeddingIndexError):
+    """A search filter (``--under``, ``--glob``, ``--after``, ``--before``) is unusable: a folder outside the index's
+    folder, a date in no accepted format, a bad pattern; the message names the filter and what it accepts."""
+
+
+class DatesNotIndexedError(FilterError):
+    """A date filter on an index that records no dates (built before dates were recorded, or from WebDataset
+    shards); the message says to re-index."""
+
+
 class ItemsFormatError(ClipMiniError, ValueError):
     """The items file is damaged or not an items file (the reader names the file)."""
 

@@ -25,6 +25,8 @@ RAISED_IN = {
     "WeightsError": "clip_mini.model.weights",
     "EmbeddingIndexError": "clip_mini.retrieval.format",
     "ItemsFormatError": "clip_mini.retrieval.items",
+    "FilterError": "clip_mini.retrieval.filters",
+    "DatesNotIndexedError": "clip_mini.retrieval.filters",
     "EvalError": "clip_mini.eval.scoring",
     "LedgerError": "clip_mini.eval.ledger",
     "PrecisionError": "clip_mini.runtime.devices",

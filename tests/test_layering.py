@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
-RETRIEVAL_ORDER = ["rows", "cutoff", "search", "items", "faiss_auto", "format", "dupe_groups", "dupes", "files", "reader",
-                   "build", "shards", "wds_source", "ray_index", "preprocess_np", "query", "engine", "index"]
+RETRIEVAL_ORDER = ["rows", "cutoff", "search", "items", "taken", "faiss_auto", "format", "dupe_groups", "dupes",
+                   "files", "reader", "filters", "build", "shards", "wds_source", "ray_index", "preprocess_np", "query",
+                   "engine", "index"]
 # retrieval/search/: the modules of the search package, each importing only those before it
 SEARCH_ORDER = ["bounds", "shortlist", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
                 "approximate", "dispatch"]

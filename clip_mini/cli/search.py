@@ -26,7 +26,9 @@ def add_arguments(sub) -> argparse.ArgumentParser:
         'clip-mini search --index indexes/photos "a dog" + "beach" - "grass" "2:golden retriever"',
         'clip-mini search --index indexes/photos ./cat.jpg + "at night" --paths | xargs feh',
         "clip-mini search --index indexes/photos --image query.jpg --json",
-        'clip-mini search --index indexes/photos "a red car" -k 8 --explain --grid hits.png')
+        'clip-mini search --index indexes/photos "a red car" -k 8 --explain --grid hits.png',
+        'clip-mini search --index indexes/photos "a beach at sunset" --after 2024-06 --before 2024-09 --glob "*.jpg"',
+        'clip-mini search --index indexes/photos "a birthday cake" --under family/2023 -k 20')
     se.add_argument("--index", required=True, help="index directory")
     se.add_argument("query", nargs="*", metavar="TERM",
                     help='query terms joined by + and -: "a dog" + "beach" - "grass"; "2:caption" weights a term; '
@@ -46,12 +48,29 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     se.add_argument("-0", dest="null", action="store_true",
                     help="print the paths NUL-separated (implies --paths): safe for any file name with xargs -0")
     se.add_argument("--no-verify", action="store_true", help="skip the checksum of the index files")
+    fl = se.add_argument_group(
+        "filters", "keep only some images, before the top -k (exact: -k 10 gives 10 results when 10 pass); "
+                   "filters combine (all must hold)")
+    fl.add_argument("--under", metavar="PATH",
+                    help="only images under this folder of the index's folder: relative to it (2024/trip) or "
+                         "absolute")
+    fl.add_argument("--glob", metavar="PATTERN",
+                    help="only images whose path relative to the index's folder matches: * and ? do not cross /, "
+                         "** does; a pattern without / matches file names at any depth ('*.jpg', 'IMG_2*', "
+                         "'2024/**/beach/*')")
+    fl.add_argument("--after", metavar="DATE",
+                    help="only photos taken at or after the start of DATE (EXIF DateTimeOriginal, else the file's "
+                         "mtime; local time): YYYY, YYYY-MM, YYYY-MM-DD, YYYY-MM-DDTHH:MM[:SS]")
+    fl.add_argument("--before", metavar="DATE",
+                    help="only photos taken before the start of DATE (same formats): --after 2024-01-01 "
+                         "--before 2025-01-01 is the year 2024")
     add_device(se)
     add_quiet(se)
     return se
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    from clip_mini.retrieval.filters import SearchFilter
     from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
     from clip_mini.features.terms import USAGE, QueryError, describe, parse_args
 
@@ -60,8 +79,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise EmbeddingIndexError("--paths (or -0) and --json are two output formats: give one")
     if not args.query and args.image is None:
         raise QueryError(f"the query is empty: search needs a text query or --image PATH; {USAGE}")
-    # Bad terms (a weight, a missing image) fail before the index is opened.
+    # Bad terms (a weight, a missing image) and bad filters (a date) fail before the index is opened.
     terms = parse_args(args.query, [] if args.image is None else [args.image])
+    flt = SearchFilter.of(under=args.under, glob=args.glob, after=args.after, before=args.before)
     single_text = len(terms) == 1 and not terms[0].is_image and terms[0].weight == 1
     if args.explain and (args.grid is None or not single_text):
         raise EmbeddingIndexError("--explain draws where one caption matches into --grid PNG: give --grid and a "
@@ -76,12 +96,22 @@ def cmd_search(args: argparse.Namespace) -> int:
                                   "`clip-mini index ... --faiss hnsw`")
     # The device matters only for an image query: a text query runs torch-free (the string is resolved when the
     # image tower loads, so a text search never imports torch to ask about CUDA).
-    [hits] = index.hits(terms=terms, k=args.k, model_dir=args.model, backend=args.backend, device=args.device)
+    kept = flt.rows(index) if flt.active else None   # a folder outside the index's, an index without dates: fail now
+    [hits] = index.hits(terms=terms, k=args.k, model_dir=args.model, backend=args.backend, device=args.device,
+                        filters=flt)
     results = [{"rank": h["rank"], "score": round(h["score"], 6), "path": h["path"], "caption": h["caption"]}
                for h in hits]
-    if args.k > len(index) and not args.quiet:
-        print(f"note: -k {args.k} is more than the {len(index)} images in {args.index}: listing all of them",
-              file=sys.stderr)
+    if not args.quiet:
+        if kept is not None and args.k > len(kept):
+            from clip_mini.retrieval.filters import index_folder
+
+            where = (f" (--under and --glob are relative to the index's folder {index_folder(index)})"
+                     if not len(kept) and (args.glob or (args.under and not Path(args.under).is_absolute())) else "")
+            print(f"note: the filters ({_filter_words(flt)}) keep {len(kept)} of the {len(index)} images in "
+                  f"{args.index}" + (": listing all of them" if len(kept) else where), file=sys.stderr)
+        elif args.k > len(index):
+            print(f"note: -k {args.k} is more than the {len(index)} images in {args.index}: listing all of them",
+                  file=sys.stderr)
     query = describe(terms[1:] if args.image else terms) if args.query else None   # --image is the first term
     if args.grid:
         from clip_mini.pictures.draw import result_grid
@@ -99,6 +129,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     elif args.json:
         print_json({"query": query, "image": args.image, "index": str(index.path),
                     "terms": [{"image" if t.is_image else "text": str(t.value), "weight": t.weight} for t in terms],
+                    **({"filters": flt.describe(), "passing": len(kept)} if kept is not None else {}),
                     "model_fingerprint": index.fingerprint, "results": results})
     else:
         print_results(results)
@@ -107,6 +138,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.paths and args.grid and not args.quiet:
         print(f"grid: {args.grid}", file=sys.stderr)
     return 0 if results else EXIT_NO_HITS
+
+
+def _filter_words(flt) -> str:
+    return ", ".join(f"--{name} {value}" for name, value in flt.describe().items())
 
 
 def _print_paths(paths: list[str], end: str) -> None:

@@ -25,7 +25,7 @@ import os
 import queue
 import stat
 import threading
-from typing import Callable, Iterator, Optional, Sequence, TypeVar
+from typing import BinaryIO, Callable, Iterator, Optional, Sequence, TypeVar
 
 from clip_mini.errors import UnreadableFileError
 
@@ -96,8 +96,9 @@ def sha256_regular_file(path: str | os.PathLike, max_bytes: Optional[int] = None
     return run_bounded(path, lambda: _sha256_unbounded(path, max_bytes, chunk), timeout)
 
 
-def _sha256_unbounded(path: str, max_bytes: Optional[int] = None, chunk: int = 1 << 20) -> str:
-    def work(fd: int, size: int) -> str:
+def _sha256_unbounded(path: str, max_bytes: Optional[int] = None, chunk: int = 1 << 20,
+                      inspect: Optional[Callable[[BinaryIO], T]] = None):
+    def work(fd: int, size: int):
         if max_bytes is not None and size > max_bytes:
             raise UnreadableFileError(path, f"{size} bytes is more than the limit of {max_bytes}")
         h, done = hashlib.sha256(), 0
@@ -107,9 +108,15 @@ def _sha256_unbounded(path: str, max_bytes: Optional[int] = None, chunk: int = 1
                 break   # the file shrank while being read; hash what there is, as a plain read would
             h.update(block)
             done += len(block)
-        return h.hexdigest()
+        return h.hexdigest() if inspect is None else (h.hexdigest(), _inspect_fd(fd, inspect))
 
     return _with_regular_fd(path, work)
+
+
+def _inspect_fd(fd: int, inspect: Callable[[BinaryIO], T]) -> T:
+    """``inspect`` on a file object over ``fd`` (left open: the caller closes it)."""
+    with open(fd, "rb", closefd=False) as f:
+        return inspect(f)
 
 
 def read_files(paths: Sequence[str], max_bytes: Optional[int] = None, timeout: Optional[float] = None
@@ -119,10 +126,23 @@ def read_files(paths: Sequence[str], max_bytes: Optional[int] = None, timeout: O
     return _only_os_errors(iter_bounded(paths, lambda p: _read_unbounded(p, max_bytes=max_bytes)[0], timeout))
 
 
-def sha256_regular_files(paths: Sequence[str], max_bytes: Optional[int] = None, timeout: Optional[float] = None
-                         ) -> Iterator[tuple[str, str | OSError]]:
-    """``(path, sha256 hex digest)`` for each path in order, or ``(path, the OSError)``, as ``read_files``."""
-    return _only_os_errors(iter_bounded(paths, lambda p: _sha256_unbounded(p, max_bytes), timeout))
+def sha256_regular_files(paths: Sequence[str], max_bytes: Optional[int] = None, timeout: Optional[float] = None,
+                         inspect: Optional[Callable[[BinaryIO], T]] = None) -> Iterator[tuple[str, object]]:
+    """``(path, sha256 hex digest)`` for each path in order, or ``(path, the OSError)``, as ``read_files``.
+
+    With ``inspect``: ``(path, (digest, inspect(file)))``, ``inspect`` called on the descriptor just hashed (the
+    same file, not whatever the name points at by then; its pages still cached), on the helper thread and within
+    the same time bound; it should not raise (anything but an ``OSError`` is taken for a bug and re-raised)."""
+    return _only_os_errors(iter_bounded(paths, lambda p: _sha256_unbounded(p, max_bytes, 1 << 20, inspect), timeout))
+
+
+def inspect_regular_files(paths: Sequence[str], inspect: Callable[[BinaryIO], T], timeout: Optional[float] = None
+                          ) -> Iterator[tuple[str, T | OSError]]:
+    """``(path, inspect(file))`` for each path in order, or ``(path, the OSError)``: each regular file opened under
+    ``read_file``'s rules and handed to ``inspect`` (which reads what it needs, e.g. a header), read ahead on one
+    helper thread, each within ``timeout``."""
+    return _only_os_errors(iter_bounded(
+        paths, lambda p: _with_regular_fd(p, lambda fd, size: _inspect_fd(fd, inspect)), timeout))
 
 
 def _only_os_errors(results: Iterator[tuple[str, bool, object]]) -> Iterator[tuple[str, object]]:

@@ -24,13 +24,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from clip_mini.features.image_files import iter_image_features
-from clip_mini.fileio.bounded_read import sha256_regular_files
+from clip_mini.fileio.bounded_read import inspect_regular_files, sha256_regular_files
 from clip_mini.fileio.atomic import atomic_path, atomic_write_json, atomic_write_text
 from clip_mini.retrieval.format import (EmbeddingIndexError, commit, current_generation, in_shard, shard_dir,
                                         writer_lock)
 from clip_mini.model.onnx_export import export_if_missing
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.rows import DTYPES, BF16Rows, encode, numpy_dtype, storage_dtype
+from clip_mini.retrieval.taken import TAKEN_COLUMNS, exif_seconds, taken
 
 _BLOCK = 16384   # rows copied per step when writing a generation
 
@@ -98,21 +99,38 @@ def _stat(paths: Sequence[str]) -> tuple[dict[str, tuple[int, int]], dict[str, s
     return stats, missing
 
 
-def _hash_all(paths: list[str], progress: bool) -> tuple[dict[str, str], dict[str, str]]:
+def _hash_all(paths: list[str], progress: bool
+              ) -> tuple[dict[str, str], dict[str, Optional[int]], dict[str, str]]:
+    """Each file's sha256, its EXIF capture time (``taken.exif_seconds`` on the descriptor just hashed: a header
+    read, no second open) and the files that could not be read, with why."""
     from tqdm import tqdm
 
-    hashes, failed = {}, {}
+    hashes, exif, failed = {}, {}, {}
     # read ahead on one helper thread, each file under a time bound: a pipe, /dev/zero named *.jpg or a stalled
     # mount must not hang the build
     with tqdm(total=len(paths), desc="hashing new files", unit="file",
               disable=not progress or len(paths) < 1000) as bar:
-        for p, digest in sha256_regular_files(paths):
-            if isinstance(digest, OSError):
-                failed[p] = f"cannot read: {digest.strerror or digest}"
+        for p, value in sha256_regular_files(paths, inspect=exif_seconds):
+            if isinstance(value, OSError):
+                failed[p] = f"cannot read: {value.strerror or value}"
             else:
-                hashes[p] = digest
+                hashes[p], exif[p] = value
             bar.update()
-    return hashes, failed
+    return hashes, exif, failed
+
+
+def _read_exif(paths: list[str], progress: bool) -> dict[str, Optional[int]]:
+    """EXIF capture times of files not hashed by this build (rows kept from an index that recorded no dates): a
+    header read each; a file that cannot be read has none (its row keeps its stored mtime)."""
+    from tqdm import tqdm
+
+    out: dict[str, Optional[int]] = {}
+    with tqdm(total=len(paths), desc="reading capture dates", unit="file",
+              disable=not progress or len(paths) < 1000) as bar:
+        for p, value in inspect_regular_files(paths, exif_seconds):
+            out[p] = None if isinstance(value, OSError) else value
+            bar.update()
+    return out
 
 
 def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Optional[dict[str, str]] = None,
@@ -229,21 +247,27 @@ def _plan(old: Optional[IndexReader], images: list[str], captions: dict[str, str
                 stats[p] = (old.items["size"][i], old.items["mtime_ns"][i])
     unchanged = {p for p, st in stats.items() if p in old_by_path
                  and (old.items["size"][old_by_path[p]], old.items["mtime_ns"][old_by_path[p]]) == st}
-    hashes, failed = _hash_all(sorted(set(stats) - unchanged), progress)
+    hashes, exif, failed = _hash_all(sorted(set(stats) - unchanged), progress)
     skipped.update(failed)
-    rows: dict[str, list] = {c: [] for c in ("path", "size", "mtime_ns", "sha256", "caption", "source")}
+    old_taken = old is not None and all(c in old.items for c in TAKEN_COLUMNS)
+    if not old_taken:   # rows kept from an index that records no dates: read them now (upgrading it)
+        exif.update(_read_exif(sorted(unchanged), progress))
+    rows: dict[str, list] = {c: [] for c in ("path", "size", "mtime_ns", "sha256", "caption", "source",
+                                             *TAKEN_COLUMNS)}
     todo: dict[str, str] = {}
     for p in sorted(set(stats) - set(failed)):
         if p in unchanged:
             i = old_by_path[p]
             h, src = old.items["sha256"][i], ("old", i)
+            when = (old.items["taken"][i], old.items["taken_from"][i]) if old_taken else taken(exif[p], stats[p][1])
         else:
             h = hashes[p]
             src = ("old", old_by_hash[h]) if h in old_by_hash else ("new", -1)
             if src[0] == "new":
                 todo.setdefault(h, p)
+            when = taken(exif[p], stats[p][1])
         default = old.items["caption"][old_by_path[p]] if p in old_by_path else ""
-        for c, v in zip(rows, (p, stats[p][0], stats[p][1], h, captions.get(p, default), src)):
+        for c, v in zip(rows, (p, stats[p][0], stats[p][1], h, captions.get(p, default), src, *when)):
             rows[c].append(v)
     return rows, todo, skipped
 
@@ -292,7 +316,8 @@ def write_embeddings(out: Path, sources: list, plan: list[tuple[int, int]], dim:
 
 def _unchanged(old: IndexReader, rows: dict[str, list], kind: Optional[str]) -> bool:
     same_rows = [s for s in rows["source"]] == [("old", i) for i in range(len(old))]
-    return same_rows and all(rows[c] == old.items[c] for c in ("path", "size", "mtime_ns", "caption")) \
+    return same_rows and all(c in old.items and rows[c] == old.items[c]
+                             for c in ("path", "size", "mtime_ns", "caption", *TAKEN_COLUMNS)) \
         and kind == old.manifest.get("faiss_kind")
 
 

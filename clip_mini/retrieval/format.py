@@ -22,6 +22,7 @@ import numpy as np
 from clip_mini.errors import EmbeddingIndexError
 from clip_mini.fileio.atomic import atomic_write_json, sha256_file
 from clip_mini.retrieval.rows import storage_dtype, wrap
+from clip_mini.retrieval.taken import TAKEN_COLUMNS
 
 # 2: item paths are relative to the manifest's "root" (the indexed folder, recorded once), so a folder moved or
 # shared together with its index keeps working. Version 1 (absolute paths) is still read.
@@ -37,6 +38,9 @@ ITEM_COLUMNS = ("path", "size", "mtime_ns", "sha256", "caption")
 # Rows indexed from WebDataset shards add where the image sits (path is "shard#key"); a reader that predates
 # them stops at the header with "expected columns ...", so the format version stays.
 WDS_COLUMNS = ("shard", "key", "offset", "length")
+# Rows of an image folder also record when each photo was taken (TAKEN_COLUMNS, ``clip_mini.retrieval.taken``): a
+# reader that predates them ignores the extra columns, and an index without them searches as before (date filters
+# ask for a re-index), so the format version stays too.
 _DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|cols|index)$")
 
 
@@ -167,6 +171,13 @@ def items_csv(items: dict[str, list]) -> str:
     return buf.getvalue()
 
 
+def item_columns(items: dict) -> tuple[str, ...]:
+    """The columns a commit writes for ``items``: the item columns, WebDataset's where rows come from shards, and
+    the capture dates where the build recorded them."""
+    return (ITEM_COLUMNS + (WDS_COLUMNS if "shard" in items else ())
+            + (TAKEN_COLUMNS if all(c in items for c in TAKEN_COLUMNS) else ()))
+
+
 def current_generation(path: Path) -> int:
     return read_manifest(path)["generation"] if (path / "manifest.json").is_file() else 0
 
@@ -185,7 +196,7 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
 
     emb_name, items_name = f"embeddings-{generation}.npy", f"items-{generation}.cols"
     items, root = relative_items(items, path)
-    write_items(path / items_name, items, ITEM_COLUMNS + WDS_COLUMNS if "shard" in items else ITEM_COLUMNS)
+    write_items(path / items_name, items, item_columns(items))
     files = {"embeddings": emb_name, "items": items_name}
     faiss_params = None
     if faiss_kind:

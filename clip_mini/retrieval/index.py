@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence, Union
 
 from clip_mini.retrieval.build import sync_index
 from clip_mini.retrieval.engine import QueryEngine
+from clip_mini.retrieval.filters import SearchFilter, merge as merge_filters, search as filtered_search
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.shards import merge_indexes
@@ -56,56 +57,85 @@ class EmbeddingIndex(IndexReader):
 
     # -- convenience: queries by text or image, results as (path, score) -------------------------------------
     def search_text(self, text: str | Sequence[str], k: int = 10, model_dir: Optional[str | Path] = None,
-                    backend: str = "auto") -> list:
+                    backend: str = "auto", **filters) -> list:
         """Ranked ``(path, score)`` for a text query, or one such list per query for a list of queries.
 
         Queries are embedded by the index's model (torch-free, see ``engine``), loaded on the first call and
-        kept on the index.
+        kept on the index. ``under=``, ``glob=``, ``after=``, ``before=`` (or ``filters=``) restrict the results
+        as ``search`` says.
         """
         single = isinstance(text, str)
-        hits = self.hits(texts=[text] if single else list(text), k=k, model_dir=model_dir, backend=backend)
+        hits = self.hits(texts=[text] if single else list(text), k=k, model_dir=model_dir, backend=backend,
+                         **filters)
         return [(h["path"], h["score"]) for h in hits[0]] if single else \
             [[(h["path"], h["score"]) for h in row] for row in hits]
 
-    def search_image(self, image: Any, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto"
-                     ) -> list:
+    def search_image(self, image: Any, k: int = 10, model_dir: Optional[str | Path] = None, backend: str = "auto",
+                     **filters) -> list:
         """Ranked ``(path, score)`` for an image query (a path, PIL image or array), or one list per image for a
-        list of them."""
+        list of them; filters as ``search``."""
         single = not isinstance(image, (list, tuple))
-        hits = self.hits(images=[image] if single else list(image), k=k, model_dir=model_dir, backend=backend)
+        hits = self.hits(images=[image] if single else list(image), k=k, model_dir=model_dir, backend=backend,
+                         **filters)
         return [(h["path"], h["score"]) for h in hits[0]] if single else \
             [[(h["path"], h["score"]) for h in row] for row in hits]
 
     def search(self, queries: Any, k: int = 10, backend: str = "auto", model_dir: Optional[str | Path] = None,
-               device: str = "cpu"):
+               device: str = "cpu", *, under: Any = None, glob: Optional[str] = None, after: Any = None,
+               before: Any = None, filters: Optional[SearchFilter] = None):
         """Top-K rows for query feature rows (``IndexReader.search``), or for query terms: a caption, or a list of
         ``(caption or image, weight)`` pairs combined into one query (``terms``: a ``str`` is a caption, a
         ``pathlib.Path``, PIL image or array an image, a negative weight means "without"), embedded by the index's
         model (or ``model_dir``'s)::
 
             scores, ids = index.search([("a circle", 1.0), ("red", -1.0)], k=16)   # (1, k) each
+            scores, ids = index.search("a dog", k=10, under="2024", glob="*.jpg", after="2024-06")
+
+        Filters (``clip_mini.retrieval.filters``) keep only some rows, before the top-K: ``under`` a folder inside
+        the index's folder (relative to it, or absolute), ``glob`` a pattern on the path relative to it (``*`` does
+        not cross ``/``, ``**`` does; a pattern without ``/`` matches file names at any depth), ``after`` / ``before``
+        a date (``"2024-06-30"``, ``"2024-06"``, ``"2024-06-30T18:30"``, a ``datetime.date``) compared with when each
+        photo was taken (EXIF, else the file's mtime); or ``filters=SearchFilter.of(...)``. A filtered search is
+        exact, and returns fewer than K results only when fewer rows pass.
 
         Returns:
             ``scores`` (Q, k) float32 best first and ``ids`` (Q, k) int64 rows; Q is 1 for terms.
+
+        Raises:
+            FilterError: a bad filter (a folder outside the index's, a date in no accepted format).
+            DatesNotIndexedError: a date filter on an index built before dates were recorded (re-index it).
         """
+        flt = merge_filters(filters, under, glob, after, before)
+        if flt.active:
+            flt.rows(self)   # a filter this index cannot apply fails before the model loads (the rows are cached)
         if looks_like_terms(queries):
             queries = self.engine(model_dir, device).encode_query(queries)[None]
+        if flt.active:
+            return filtered_search(self, queries, k, flt)
         return super().search(queries, k, backend)
 
     def hits(self, texts: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None, k: int = 10,
              model_dir: Optional[str | Path] = None, backend: str = "auto", device: str = "cpu",
-             terms: Any = None) -> list[list[dict]]:
+             terms: Any = None, *, under: Any = None, glob: Optional[str] = None, after: Any = None,
+             before: Any = None, filters: Optional[SearchFilter] = None) -> list[list[dict]]:
         """One ranked list per query (texts, images or one query of ``terms``, exactly one of the three):
         ``{"rank", "score", "path", "caption", "row"}`` dicts, best first. What ``search_text`` / ``search_image``
-        and ``clip-mini search`` return."""
+        and ``clip-mini search`` return. Filters as ``search``: a list is shorter than ``k`` only when fewer rows
+        pass."""
         if sum(x is not None for x in (texts, images, terms)) != 1:
             raise EmbeddingIndexError("hits needs texts, images or terms (exactly one)")
+        flt = merge_filters(filters, under, glob, after, before)   # a bad filter fails before the model loads
+        if flt.active:
+            flt.rows(self)
         engine = self.engine(model_dir, device)
         if terms is not None:
             queries = engine.encode_query(terms)[None]
         else:
             queries = engine.encode_text(list(texts)) if texts is not None else engine.encode_image(list(images))
-        scores, ids = super().search(queries, k, backend)
+        if flt.active:
+            scores, ids = filtered_search(self, queries, k, flt)
+        else:
+            scores, ids = super().search(queries, k, backend)
         return [[{"rank": r + 1, "score": float(s), "path": self.items["path"][i],
                   "caption": self.items["caption"][i], "row": int(i)}
                  for r, (i, s) in enumerate((i, s) for i, s in zip(row_ids, row_scores) if i >= 0)]

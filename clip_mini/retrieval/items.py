@@ -34,7 +34,7 @@ MAGIC = b"CLIPMINI-ITEMS1\n"
 _ALIGN = 64
 _HEADER_ROOM = 8192   # bytes reserved for the header (a few hundred are used): sections follow at a fixed offset
 _CHUNK = 65536        # rows encoded / decoded per step
-INT_COLUMNS = ("size", "mtime_ns", "offset", "length")
+INT_COLUMNS = ("size", "mtime_ns", "offset", "length", "taken")   # taken: when the photo was taken (retrieval.taken)
 ROOTED_COLUMNS = ("path", "shard")   # joined to the root given to read_items
 
 
@@ -62,6 +62,11 @@ class IntColumn(Column):
     def __len__(self) -> int:
         return len(self._v)
 
+    @property
+    def values(self) -> np.ndarray:
+        """The column as a read-only int64 array (the memory map itself: nothing is read until used)."""
+        return self._v
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return self._v[i].tolist()
@@ -82,6 +87,11 @@ class StrColumn(Column):
 
     def with_root(self, root: Optional[str]) -> "StrColumn":
         return StrColumn(self._off, self._blob, self._name, self._file, root)
+
+    def stored(self) -> tuple[np.ndarray, np.ndarray]:
+        """The values as stored, not joined to any root: (n + 1 int64 offsets, uint8 UTF-8 blob), both memory maps;
+        value i is ``blob[offsets[i]:offsets[i + 1]]``. For whole-column scans in numpy (search filters)."""
+        return self._off, self._blob
 
     def __len__(self) -> int:
         return len(self._off) - 1

@@ -16,6 +16,7 @@ from clip_mini.retrieval.build import faiss_kind, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.rows import storage_dtype
+from clip_mini.retrieval.taken import TAKEN_COLUMNS
 
 
 def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = None, faiss: str = "auto",
@@ -40,7 +41,9 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
     for p in parts[1:]:
         p.check_model(parts[0].fingerprint, f"shard {p.path}")
     entries = sorted((p_path, k, r) for k, part in enumerate(parts) for r, p_path in enumerate(part.items["path"]))
-    rows: dict[str, list] = {c: [] for c in ("path", "size", "mtime_ns", "sha256", "caption")}
+    dated = all(c in part.items for part in parts for c in TAKEN_COLUMNS)   # else the merge records no dates
+    rows: dict[str, list] = {c: [] for c in ("path", "size", "mtime_ns", "sha256", "caption",
+                                             *(TAKEN_COLUMNS if dated else ()))}
     plan = []
     for p_path, k, r in entries:
         if rows["path"] and rows["path"][-1] == p_path:

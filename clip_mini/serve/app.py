@@ -2,6 +2,9 @@
 
     GET  /api/search?q=TEXT&without=TEXT&k=K   text -> images; ``without`` (repeatable): terms to search away from
     POST /api/search/image?k=K&without=TEXT    image -> images (multipart field ``file``, or JSON ``{"image": base64}``)
+         both also take the search filters ``under`` (a folder relative to the index's image folder), ``glob``,
+         ``after``, ``before`` (``clip_mini.retrieval.filters``; JSON uploads may carry them as fields too): the
+         top-k of the images that pass, exact
     GET  /thumb/ID?gen=G             JPEG thumbnail of row ID of generation G (default: the current one)
     GET  /image/ID?gen=G             the original file of that row
     GET  /api/attention/ID?gen=G     PNG of the ViT's CLS attention over that image
@@ -37,10 +40,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from clip_mini.data.images import ImageError
-from clip_mini.errors import InputError
+from clip_mini.errors import FilterError, InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.features.terms import QueryError, Term, parse_term
+from clip_mini.retrieval.filters import SearchFilter
 from clip_mini.serve.admission import BoundedPool, Busy
 from clip_mini.serve.batching import SearchBatcher
 from clip_mini.serve.generations import Generation, IndexWatcher, NotServed, uses_faiss
@@ -53,6 +57,7 @@ log = logging.getLogger("clip_mini.serve")
 
 STATIC = Path(__file__).parent / "static"
 MAX_WITHOUT = 8   # "without" terms a request may hold: each is a text-tower pass
+FILTER_FIELDS = ("under", "glob", "after", "before")   # search filters a request may carry
 # The page may load only what this server serves: proof that nothing comes from a CDN, and no injected script runs.
 PAGE_CSP = "default-src 'self'; img-src 'self' blob: data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
 
@@ -93,6 +98,7 @@ class Upload(NamedTuple):
     k: int
     is_json: bool = False
     without: tuple = ()     # "without" terms: as received, then parsed (``Service.query_terms``)
+    where: tuple = ()       # search filters from the query string: (name, value) pairs (``Service.where``)
 
 
 class Service:
@@ -117,7 +123,7 @@ class Service:
         self.keep_aspect = self.engine._image_encoder().preprocess.get("resize_mode", "squash") != "squash"
         self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify,
                                     cfg.float32_cache_bytes)
-        self.batcher = SearchBatcher(lambda: self.watcher.current, lambda gen, q, k: gen.search(q, k))
+        self.batcher = SearchBatcher(lambda: self.watcher.current, self._search_generation)
         self._text_pool = ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="clip-mini-text")
         self.image_pool = BoundedPool(cfg.image_threads, cfg.image_queue, "image")
         self.attention = AttentionRenderer(self.model_dir, cfg.device)
@@ -147,7 +153,40 @@ class Service:
         except QueryError as e:
             raise ApiError(400, str(e)) from None
 
-    async def search_text(self, q: Optional[str], k: int, without: Sequence[str] = ()) -> dict:
+    def where(self, under: Optional[str] = None, glob: Optional[str] = None, after: Optional[str] = None,
+              before: Optional[str] = None) -> Optional[SearchFilter]:
+        """A request's search filters (None when it has none), checked against the index now: a bad date, a folder
+        outside the index's or an index without dates is a 400 before any query is embedded. ``under`` is relative
+        to the index's image folder (an absolute path would name the server's disk); messages name no server
+        path."""
+        gen = self.watcher.current
+        try:
+            for name, value in (("under", under), ("glob", glob), ("after", after), ("before", before)):
+                if value is not None and not isinstance(value, str):
+                    raise ApiError(400, f"{name} must be a string, got {type(value).__name__}")
+                if value is not None and len(value) > self.cfg.max_query_chars:
+                    raise ApiError(400, f"{name} is {len(value)} characters long; the limit is "
+                                        f"{self.cfg.max_query_chars}")
+            if under and (under.startswith(("/", "\\", "~")) or Path(under).is_absolute()):
+                raise ApiError(400, f"under {under!r}: give a folder relative to the index's image folder "
+                                    "(e.g. 2024/trip), as result paths are")
+            flt = SearchFilter.of(under=under, glob=glob, after=after, before=before)
+            if not flt.active:
+                return None
+            flt.rows(gen.index)   # cached: the search itself finds them again for free
+            return flt
+        except FilterError as e:
+            raise ApiError(400, _public(str(e), gen)) from None
+
+    def _search_generation(self, gen: Generation, queries: np.ndarray, k: int,
+                           where: Optional[SearchFilter] = None) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            return gen.search(queries, k, where)
+        except FilterError as e:   # a generation loaded after the request was checked
+            raise ApiError(400, _public(str(e), gen)) from None
+
+    async def search_text(self, q: Optional[str], k: int, without: Sequence[str] = (),
+                          where: Optional[SearchFilter] = None) -> dict:
         if q is None or not q.strip():
             raise ApiError(400, "the query q is empty: type some words describing the image")
         terms = self.query_terms(q, without)
@@ -157,28 +196,33 @@ class Service:
         # than cores only contend for them and for the GIL.
         features = await asyncio.get_running_loop().run_in_executor(self._text_pool, self._encode_terms, terms)
         head = {"query": q, **({"without": [str(t) for t in terms[1:]]} if len(terms) > 1 else {})}
-        return await self._results(features, k, start, head)
+        return await self._results(features, k, start, head, where)
 
     async def search_image(self, upload: Upload) -> dict:
         """Parse, decode and embed an upload on the image pool (503 when it is full), then search."""
         if not upload.is_json:
             self.check_k(upload.k)
+        where = self.where(**dict(upload.where))
         upload = upload._replace(without=tuple(self.query_terms(None, upload.without)))
         start = time.perf_counter()
         try:
-            features, k, name = await self.image_pool.run(self._encode_upload, upload)
+            features, k, name, fields = await self.image_pool.run(self._encode_upload, upload)
         except Busy as e:
             raise ApiError(503, str(e), {"Retry-After": str(e.retry_after)}) from None
+        if fields:   # a JSON body's filter fields (which win over the query string's)
+            where = self.where(**{**dict(upload.where), **fields})
         return await self._results(features, k, start, {"query": None, "image": name,
                                                         **({"without": [str(t) for t in upload.without]}
-                                                           if upload.without else {})})
+                                                           if upload.without else {})}, where)
 
-    def _encode_upload(self, upload: Upload) -> tuple[np.ndarray, int, str]:
-        data, name, k = _parse_json_upload(upload.data, upload.k) if upload.is_json else upload[:3]
+    def _encode_upload(self, upload: Upload) -> tuple[np.ndarray, int, str, dict]:
+        data, name, k, fields = _parse_json_upload(upload.data, upload.k) if upload.is_json else (*upload[:3], {})
         self.check_k(k)
+        if fields:
+            self.where(**{**dict(upload.where), **fields})   # a bad filter fails before the image is decoded
         if len(data) > self.cfg.max_upload_bytes:
             raise ApiError(413, f"the image is {len(data)} bytes; the limit is {self.cfg.max_upload_bytes}")
-        return self._encode_image(data, name, upload.without), k, name
+        return self._encode_image(data, name, upload.without), k, name, fields
 
     def _encode_terms(self, terms: list[Term]) -> np.ndarray:
         try:
@@ -202,9 +246,12 @@ class Service:
             raise ApiError(413, f"{name}: decoding this image needs more memory than the server has free; send a "
                                 f"smaller image") from None
 
-    async def _results(self, features: np.ndarray, k: int, start: float, head: dict) -> dict:
+    async def _results(self, features: np.ndarray, k: int, start: float, head: dict,
+                       where: Optional[SearchFilter] = None) -> dict:
         # One generation for the whole answer: ids, paths and scores agree (the batcher searched that one).
-        gen, scores, ids = await asyncio.wrap_future(self.batcher.submit(features, k))
+        gen, scores, ids = await asyncio.wrap_future(self.batcher.submit(features, k, where))
+        if where is not None:
+            head = {**head, "filters": where.describe(), "passing": len(where.rows(gen.index))}
         index = gen.index
         results = []
         for rank, (i, s) in enumerate(((int(i), float(s)) for i, s in zip(ids, scores) if i >= 0), 1):
@@ -270,6 +317,15 @@ class Service:
                            "max_upload_pixels": self.cfg.max_upload_pixels,
                            "image_threads": self.cfg.image_threads, "image_queue": self.cfg.image_queue},
                 "auth": "token" if self.cfg.token else "none"}
+
+
+def _public(message: str, gen: Generation) -> str:
+    """A filter's error message without the server's paths: the image folder and the index directory unnamed."""
+    for path, word in ((gen.root, ""), (gen.real_root, ""), (str(gen.index.path.resolve()), gen.index.path.name),
+                       (str(gen.index.path), gen.index.path.name)):
+        if path and path != "/":
+            message = message.replace(f" {path}", f" {word}" if word else "")
+    return message
 
 
 # Cache: safe, a (row, generation) pair never changes meaning. CORP: a page of another site cannot load the indexed
@@ -340,12 +396,20 @@ def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
         return svc.info()
 
     @get("/api/search")
-    async def search(q: Optional[str] = None, k: int = 10, without: list[str] = Query([])):
-        return JSONResponse(await svc.search_text(q, k, without))   # plain JSON types: no response-model pass
+    async def search(q: Optional[str] = None, k: int = 10, without: list[str] = Query([]),
+                     under: Optional[str] = None, glob: Optional[str] = None, after: Optional[str] = None,
+                     before: Optional[str] = None):
+        where = svc.where(under, glob, after, before)
+        return JSONResponse(await svc.search_text(q, k, without, where))   # plain JSON types: no response-model pass
 
     @app.post("/api/search/image")
-    async def search_image(request: Request, k: int = 10, without: list[str] = Query([])):
-        return JSONResponse(await svc.search_image((await _read_upload(request, k))._replace(without=tuple(without))))
+    async def search_image(request: Request, k: int = 10, without: list[str] = Query([]),
+                           under: Optional[str] = None, glob: Optional[str] = None, after: Optional[str] = None,
+                           before: Optional[str] = None):
+        where = tuple((n, v) for n, v in (("under", under), ("glob", glob), ("after", after), ("before", before))
+                      if v is not None)
+        upload = (await _read_upload(request, k))._replace(without=tuple(without), where=where)
+        return JSONResponse(await svc.search_image(upload))
 
     @get("/thumb/{row}")
     def thumb(row: int, gen: Optional[int] = None):
@@ -379,8 +443,9 @@ async def _read_upload(request: Request, k: int) -> Upload:
                         f"{ctype or 'no content type'}")
 
 
-def _parse_json_upload(raw: bytes, k: int) -> tuple[bytes, str, int]:
-    """The image bytes, name and k of a JSON upload ``{"image": base64 or a data URL, "k": K, "name": N}``."""
+def _parse_json_upload(raw: bytes, k: int) -> tuple[bytes, str, int, dict]:
+    """The image bytes, name, k and search filters of a JSON upload ``{"image": base64 or a data URL, "k": K,
+    "name": N, "under": ..., "glob": ..., "after": ..., "before": ...}`` (filters as given; checked by the caller)."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -402,7 +467,8 @@ def _parse_json_upload(raw: bytes, k: int) -> tuple[bytes, str, int]:
     k = body.get("k", k)
     if isinstance(k, bool) or not isinstance(k, int):
         raise ApiError(400, f"k must be an integer, got {k!r}")
-    return data, str(body.get("name") or "upload")[:200], k
+    fields = {f: body[f] for f in FILTER_FIELDS if body.get(f) is not None}
+    return data, str(body.get("name") or "upload")[:200], k, fields
 
 
 def _error_handlers(app: FastAPI) -> None:

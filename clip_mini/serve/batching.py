@@ -12,10 +12,11 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
+from clip_mini.retrieval.filters import SearchFilter
 from clip_mini.serve.generations import Generation
 
 MAX_BATCH = 64
@@ -26,7 +27,8 @@ class SearchBatcher:
 
     Args:
         current: returns the generation to search (called once per batch, so a batch never mixes generations).
-        search: ``search(generation, queries (Q, d), k) -> (scores (Q, k), ids (Q, k))``.
+        search: ``search(generation, queries (Q, d), k) -> (scores (Q, k), ids (Q, k))``; filtered queries are
+            searched as ``search(generation, queries, k, where)``, one call per distinct filter in a batch.
     """
 
     def __init__(self, current: Callable[[], Generation],
@@ -38,16 +40,20 @@ class SearchBatcher:
         self.batches = 0   # counters for /api/info: how much batching happened
         self.queries = 0
 
-    def submit(self, features: np.ndarray, k: int) -> Future:
-        """Queue one query row (1, d); the future gives the generation searched, scores (k,) and row ids (k,)."""
+    def submit(self, features: np.ndarray, k: int, where: Optional[SearchFilter] = None) -> Future:
+        """Queue one query row (1, d), optionally filtered (``where``: queries with equal filters are searched
+        together); the future gives the generation searched, scores (k,) and row ids (k,) (fewer when fewer rows
+        pass the filter)."""
         self._ensure_thread()
         future: Future = Future()
-        self._queue.put((np.asarray(features, np.float32).reshape(1, -1), k, future))
+        where = where if where is not None and where.active else None
+        self._queue.put((np.asarray(features, np.float32).reshape(1, -1), k, where, future))
         return future
 
-    def search(self, features: np.ndarray, k: int) -> tuple[Generation, np.ndarray, np.ndarray]:
+    def search(self, features: np.ndarray, k: int, where: Optional[SearchFilter] = None
+               ) -> tuple[Generation, np.ndarray, np.ndarray]:
         """``submit`` and wait."""
-        return self.submit(features, k).result()
+        return self.submit(features, k, where).result()
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -66,12 +72,23 @@ class SearchBatcher:
                     break
             try:
                 gen = self._current()
-                scores, ids = self._search(gen, np.concatenate([q for q, _, _ in batch]), max(k for _, k, _ in batch))
-            except BaseException as e:   # every waiting request gets the error, and the thread keeps serving
-                for _, _, future in batch:
+            except BaseException as e:
+                for *_, future in batch:
                     future.set_exception(e)
                 continue
+            groups: dict = {}   # one search per distinct filter (most batches: one group, unfiltered)
+            for item in batch:
+                groups.setdefault(item[2], []).append(item)
+            for where, group in groups.items():
+                try:
+                    queries, k = np.concatenate([q for q, *_ in group]), max(k for _, k, _, _ in group)
+                    scores, ids = (self._search(gen, queries, k) if where is None
+                                   else self._search(gen, queries, k, where))
+                except BaseException as e:   # every waiting request gets the error, and the thread keeps serving
+                    for *_, future in group:
+                        future.set_exception(e)
+                    continue
+                for row, (_, k, _, future) in enumerate(group):
+                    future.set_result((gen, scores[row, :k], ids[row, :k]))
             self.batches += 1
             self.queries += len(batch)
-            for row, (_, k, future) in enumerate(batch):
-                future.set_result((gen, scores[row, :k], ids[row, :k]))

@@ -35,6 +35,7 @@ from typing import Optional
 import numpy as np
 
 from clip_mini.retrieval import search as S
+from clip_mini.retrieval.filters import SearchFilter, search as filtered_search
 from clip_mini.retrieval.format import EmbeddingIndexError, items_root
 from clip_mini.retrieval.index import EmbeddingIndex
 
@@ -53,8 +54,12 @@ class Generation:
     root: str = "/"        # the folder the rows' images lie in, as the index records it (paths are shown from here)
     real_root: str = "/"   # the same, symlinks resolved: what a served file must lie under
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``index.search`` (back end "auto"), on the float32 copy when there is one."""
+    def search(self, queries: np.ndarray, k: int, where: Optional[SearchFilter] = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """``index.search`` (back end "auto"), on the float32 copy when there is one; with a filter, the exact search
+        of the rows it keeps (``retrieval.filters``), on the same rows."""
+        if where is not None and where.active:
+            return filtered_search(self.index, queries, k, where, embeddings=self.rows32)
         if self.rows32 is not None:
             return _search_rows32(self.rows32, queries, k)
         return self.index.search(queries, k)

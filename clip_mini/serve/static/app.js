@@ -3,7 +3,7 @@
 
 const $ = (id) => document.getElementById(id);
 const form = $("search-form"), input = $("q"), kSelect = $("k"), fileInput = $("image-file");
-const withoutInput = $("without");
+const withoutInput = $("without"), whereInput = $("where"), afterInput = $("after"), beforeInput = $("before");
 const statusLine = $("status"), grid = $("results"), viewer = $("viewer");
 
 function setStatus(text, isError = false) {
@@ -69,15 +69,32 @@ function withoutText() {
   return term ? ` without “${term}”` : "";
 }
 
+// The filter boxes: a folder or a pattern (anything with * ? [ is a pattern: the API's `glob`, else `under`), and
+// the days a photo was taken after / before (the API's `after`, `before`; the server keeps only those images before
+// it ranks them, so k results come back whenever k pass).
+function filterParams() {
+  const where = whereInput.value.trim(), out = [];
+  if (where) out.push([/[*?[]/.test(where) ? "glob" : "under", where]);
+  if (afterInput.value) out.push(["after", afterInput.value]);
+  if (beforeInput.value) out.push(["before", beforeInput.value]);
+  return out;
+}
+
+function filterText() {
+  const words = { under: "in", glob: "matching", after: "taken after", before: "before" };
+  return filterParams().map(([name, value]) => ` ${words[name]} ${value}`).join("");
+}
+
 async function searchText(query) {
   query = query.trim();
   if (!query) { setStatus("Type a few words describing the image.", true); return; }
   setStatus("searching…");
   const params = new URLSearchParams({ q: query, k: kSelect.value });
   if (withoutTerm()) params.append("without", withoutTerm());
+  for (const [name, value] of filterParams()) params.append(name, value);
   history.replaceState(null, "", `/?${params}`);
   try {
-    render(await callApi(`/api/search?${params}`), `“${query}”${withoutText()}`);
+    render(await callApi(`/api/search?${params}`), `“${query}”${withoutText()}${filterText()}`);
     $("query-image").hidden = true;
   } catch (err) {
     setStatus(err.message, true);
@@ -92,12 +109,13 @@ async function searchImage(file) {
   try {
     const params = new URLSearchParams({ k: kSelect.value });
     if (withoutTerm()) params.append("without", withoutTerm());
+    for (const [name, value] of filterParams()) params.append(name, value);
     const answer = await callApi(`/api/search/image?${params}`, { method: "POST", body });
     const preview = $("query-preview");
     if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
     preview.src = URL.createObjectURL(file);
     $("query-image").hidden = false;
-    render(answer, `image ${file.name}${withoutText()}`);
+    render(answer, `image ${file.name}${withoutText()}${filterText()}`);
   } catch (err) {
     setStatus(err.message, true);
   }
@@ -135,6 +153,9 @@ function moveFocus(key) {
 
 form.addEventListener("submit", (event) => { event.preventDefault(); searchText(input.value); });
 kSelect.addEventListener("change", () => { if (input.value.trim()) searchText(input.value); });
+for (const box of [afterInput, beforeInput]) {
+  box.addEventListener("change", () => { if (input.value.trim()) searchText(input.value); });
+}
 fileInput.addEventListener("change", () => searchImage(fileInput.files[0]));
 
 document.addEventListener("keydown", (event) => {
@@ -174,6 +195,9 @@ if (initial.get("k") && [...kSelect.options].some((o) => o.value === initial.get
   kSelect.value = initial.get("k");
 }
 if (initial.get("without")) withoutInput.value = initial.get("without");
+whereInput.value = initial.get("glob") || initial.get("under") || "";
+if (initial.get("after")) afterInput.value = initial.get("after");
+if (initial.get("before")) beforeInput.value = initial.get("before");
 if (initial.get("q")) {
   input.value = initial.get("q");
   searchText(initial.get("q"));
