@@ -22,6 +22,10 @@ SHAPES_SPLIT = dict(val=0.1, test=0.1, seed=0)
 TINY = dict(vision=dict(image_size=32, patch_size=8, width=64, depth=2, heads=2),
             text=dict(dim=64, n_layers=1, n_heads=2, hidden_dim=128, dropout=0.0, max_length=16, vocab_size=300),
             embed_dim=32, head_dropout=0.0)
+# Narrower still, one block a tower: trainer tests where a step's cost matters and what the model learns does not.
+# The text tower's dropout, max_length and vocabulary and the head dropout stay ModelConfig's unless a test sets them.
+NARROW = dict(vision=dict(image_size=32, patch_size=8, width=32, depth=1, heads=2),
+              text=dict(dim=32, n_layers=1, n_heads=2, hidden_dim=64), embed_dim=16)
 
 
 def cpu_runs_bf16_convolutions() -> bool:
@@ -47,11 +51,12 @@ def tiny_model_config(**changes):
     return from_dict(ModelConfig, {**TINY, **changes})
 
 
-def tiny_sets(**changes) -> list[str]:
-    """``tiny_model_config(**changes)`` as config overrides (``model.vision.width=64``, ...) for ``load_config``
-    or ``--set``; settings of the test's own follow them (a later override of a key wins)."""
+def tiny_sets(base: dict | None = None, **changes) -> list[str]:
+    """``tiny_model_config(**changes)`` (or ``base``, e.g. ``NARROW``, with ``changes``) as config overrides
+    (``model.vision.width=64``, ...) for ``load_config`` or ``--set``; settings of the test's own follow them (a
+    later override of a key wins)."""
     sets = []
-    for key, value in {**TINY, **changes}.items():
+    for key, value in {**(TINY if base is None else base), **changes}.items():
         items = value.items() if isinstance(value, dict) else [(None, value)]
         sets += [f"model.{key}{'' if k is None else '.' + k}={'null' if v is None else v}" for k, v in items]
     return sets

@@ -1,4 +1,7 @@
-"""Safe image loading: mode conversions, the header check's skip reasons, and load_table's report."""
+"""Safe image loading: mode conversions, the header check's skip reasons, load_table's report, and bytes in memory
+(uploads, tar members) through the same error ladder as files."""
+import io
+
 import cv2
 import numpy as np
 import pandas as pd
@@ -261,3 +264,66 @@ def test_every_embedding_pass_asks_for_the_reduced_decode(tmp_path, monkeypatch)
     monkeypatch.setattr(cache_mod, "load_image", lambda *a, **k: seen.append(k.get("min_size")) or real(*a, **k))
     cache_mod.decode_resized(path, 96, "squash")
     assert seen == [96]
+
+
+# --- bytes in memory (uploads to the query encoder, WebDataset tar members): the same ladder as files ---------
+
+def _png_bytes(size=(32, 24)):
+    buf = io.BytesIO()
+    rng = np.random.default_rng(1)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_bytes_errors_name_the_source_like_files(tmp_path, monkeypatch):
+    from clip_mini.data.images import load_image_bytes
+    from clip_mini.data.webdataset import decode_image
+
+    good = _png_bytes()
+    assert np.array_equal(load_image_bytes(good, "mem"), load_image(Image.open(io.BytesIO(good))))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)   # Pillow's own bomb limit: 2x this refuses at open
+    cases = [(b"", "empty"), (good[:-30], "cannot decode"), (b"not an image at all", "not an image"),
+             (_png_bytes((50, 50)), "too many pixels")]
+    for data, fragment in cases:
+        for decode, name in [(load_image_bytes, "upload #3"), (decode_image, "a.tar:key7")]:
+            with pytest.raises(ImageError) as e:
+                decode(data, name)
+            assert e.value.path == name and fragment in e.value.reason, (decode.__name__, fragment, e.value)
+    monkeypatch.undo()
+    big = _png_bytes((40, 40))   # clip_mini's own pixel limit, read from the header
+    with pytest.raises(ImageError, match="exceeds the limit of 100") as e:
+        load_image_bytes(big, "upload #4", max_pixels=100)
+    assert e.value.path == "upload #4"
+    # the same reason for the same damage, from a file and from its bytes
+    (tmp_path / "t.png").write_bytes(good[:-30])
+    with pytest.raises(ImageError) as from_file:
+        load_image(tmp_path / "t.png")
+    with pytest.raises(ImageError) as from_bytes:
+        load_image_bytes(good[:-30], "t")
+    assert from_file.value.reason == from_bytes.value.reason
+
+
+def test_bytes_decode_equals_the_file_decode_reduced_jpeg_included(tmp_path):
+    from clip_mini.data.images import load_image_bytes
+
+    path = _camera_jpeg(tmp_path / "cam.jpg")
+    data = path.read_bytes()
+    for min_size in (None, 288):
+        assert np.array_equal(load_image_bytes(data, "cam", min_size=min_size), load_image(path, min_size=min_size))
+    assert load_image_bytes(data, "cam", min_size=288).shape == (375, 500, 3)
+
+
+def test_query_encoder_routes_bytes_through_the_ladder(monkeypatch):
+    """ImageQueryEncoder decodes bytes with load_image_bytes (the model's size for the reduced decode) and its error
+    names the item."""
+    from clip_mini.data import images
+    from clip_mini.errors import QueryEncoderError
+    from clip_mini.retrieval.query import ImageQueryEncoder
+
+    calls = []
+    real = images.load_image_bytes
+    monkeypatch.setattr(images, "load_image_bytes", lambda *a, **k: calls.append(k) or real(*a, **k))
+    enc = ImageQueryEncoder(session=None, preprocess={"image_size": 16, "mean": [0.5] * 3, "std": [0.5] * 3}, fingerprint="x")
+    with pytest.raises(QueryEncoderError, match=r"image 1: <bytes>: cannot decode"):
+        enc.encode_image([_png_bytes(), _png_bytes()[:-30]])
+    assert calls == [{"min_size": 16}, {"min_size": 16}]

@@ -1,7 +1,8 @@
 """The test-split ledger (clip_mini/eval/ledger.py): each scoring's line is written before the body that scores
 runs and completed after it (done, failed, or left as ``scoring`` by a killed process), nested scorings are one
-line, appends are atomic, the reader names a bad line, and the repository's ledger holds every quality JSON with
-test numbers."""
+line, appends are atomic, the reader names a bad line, the repository's ledger holds every quality JSON with
+test numbers, and no benchmark reads the test split outside a ledger line."""
+import ast
 import json
 import multiprocessing
 import subprocess
@@ -144,3 +145,74 @@ def test_the_ledger_holds_every_quality_json_with_test_numbers():
                 assert (source, r["variant"]) in seen, f"{source} {r['variant']} is not in the ledger"
                 (line,) = [x for x in recs if (x["source"], x["variant"]) == (source, r["variant"])]
                 assert line["test"]["best"] == r["best"]["test"]
+
+
+def _reads_test_labels(tree) -> bool:
+    """Whether a module indexes something with the constant "test" (``splits["test"]``) or names it as a split
+    (``split="test"``, ``SPLIT = "test"``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "test":
+            return True
+        if isinstance(node, ast.keyword) and node.arg == "split" and getattr(node.value, "value", None) == "test":
+            return True
+        if isinstance(node, ast.Assign) and getattr(node.value, "value", None) == "test" and any(
+                "split" in getattr(t, "id", "").lower() for t in node.targets):
+            return True
+    return False
+
+
+def test_every_benchmark_that_loads_splits_and_reads_test_goes_through_the_ledger():
+    """A benchmark that loads the dataset's splits and reads the test one scores it: it must write its ledger line
+    (``record_test_scoring``) before. ``bench_ann_real.py`` read test without one; it calibrates on val now."""
+    offenders, readers = [], []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if "load_splits" not in text or not _reads_test_labels(ast.parse(text)):
+            continue
+        readers.append(path.name)
+        if "record_test_scoring" not in text:
+            offenders.append(path.relative_to(ROOT).as_posix())
+    assert not offenders, f"read the test split outside the ledger: {offenders}"
+    assert "openclip_peer.py" in readers   # the check sees a real reader (its --final scores test in its line)
+
+
+class _NoTest(dict):
+    def __getitem__(self, key):
+        assert key != "test", "bench_ann_real read the test split"
+        return super().__getitem__(key)
+
+
+def test_bench_ann_real_calibrates_on_val_and_never_reads_test(tmp_path, ledger_path, monkeypatch):
+    import numpy as np
+    import pandas as pd
+
+    import clip_mini
+    from clip_mini.data import dataset
+    from benchmarks.speed import bench_ann_real as bench
+
+    val = pd.DataFrame({"path": ["b.jpg", "a.jpg", "b.jpg", "a.jpg"], "caption": ["b1", "a1", "b2", "a2"]})
+    calls = []
+
+    def load_splits(cfg, **kw):
+        calls.append(cfg.data.val)
+        return _NoTest(train=val.iloc[:0], val=val, test=None)
+
+    class Embedder:
+        def encode_image(self, paths):
+            return np.array([[float(p[0] == "a"), 1.0] for p in paths], np.float32)
+
+        def encode_text(self, captions):
+            return np.array([[float(c[0] == "a"), 2.0] for c in captions], np.float32)
+
+    monkeypatch.setattr(dataset, "load_splits", load_splits)
+    monkeypatch.setattr(clip_mini, "load", lambda model, **kw: Embedder())
+    cache = tmp_path / "cache.npz"
+    got = bench.real_embeddings("m", cache)
+    assert got["text_image"].tolist() == [1, 0, 1, 0]   # val's captions -> val's images (sorted: a.jpg, b.jpg)
+    assert got["image"].tolist() == [[1.0, 1.0], [0.0, 1.0]] and len(got["text"]) == 4
+    again = bench.real_embeddings("m", cache)   # from the cache: the split is not loaded again
+    assert len(calls) == 1 and {k: v.tolist() for k, v in again.items()} == {k: v.tolist() for k, v in got.items()}
+    with open(cache, "wb") as f:   # an older run's cache of test embeddings is not reused
+        np.savez(f, image=np.zeros((1, 2)), text=np.zeros((1, 2)), text_image=np.zeros(1, int))
+    assert bench.real_embeddings("m", cache)["text_image"].tolist() == [1, 0, 1, 0] and len(calls) == 2
+    assert not ledger_path.exists()   # val calibration is no test scoring

@@ -14,6 +14,7 @@ import torch
 import clip_mini.runtime.isa as isa
 from clip_mini.config import ConfigError, load_config
 from clip_mini.runtime.devices import PrecisionError, resolve_precision
+from conftest import NARROW, tiny_sets
 
 CPU = torch.device("cpu")
 NO_BF16 = {"avx2", "avx512f", "avx512_vnni"}                # an Ice Lake Xeon
@@ -122,12 +123,10 @@ def test_training_decides_once_says_so_stores_it_and_keeps_it_on_resume(flags, t
     from clip_mini.train.checkpoint import find_latest, load_checkpoint
 
     shapes = generate(tmp_path / "shapes", n=60, seed=0, size=32)
-    over = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32",
-            "model.vision.depth=1", "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1",
-            "model.text.n_heads=2", "model.text.hidden_dim=64", "model.text.vocab_size=100",
-            "model.text.max_length=16", "model.embed_dim=16", "data.val=12", "train.batch_size=16",
-            "train.epochs=2", "train.threads=1", "train.device=cpu", f"data.captions={shapes / 'captions.csv'}",
-            f"train.out_dir={tmp_path / 'run'}"]
+    over = tiny_sets(NARROW) + [
+        "model.text.vocab_size=100", "model.text.max_length=16", "data.val=12", "train.batch_size=16",
+        "train.epochs=2", "train.threads=1", "train.device=cpu", f"data.captions={shapes / 'captions.csv'}",
+        f"train.out_dir={tmp_path / 'run'}"]
     flags(cpu_flags)
     result = train(load_config(None, over), stop_after=2)   # a pause after 2 steps
     out = capsys.readouterr().out

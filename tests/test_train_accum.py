@@ -16,11 +16,9 @@ from clip_mini.model.loss import ClipLoss, SigLipLoss
 from clip_mini.model.clip import CLIPModel
 from clip_mini.train.accum import FeatureModel, forward_backward
 from clip_mini.train.optim import build_optimizer
+from conftest import NARROW, tiny_sets
 
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
-        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=64", "model.embed_dim=16", "model.text.dropout=0", "model.head_dropout=0",
-        "train.weight_decay=0.1"]
+TINY = tiny_sets(NARROW) + ["model.text.dropout=0", "model.head_dropout=0", "train.weight_decay=0.1"]
 TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 VOCAB = 60
 

@@ -14,13 +14,11 @@ from clip_mini.config import ConfigError, load_config, parse_duration
 from clip_mini.train import train
 from clip_mini.train.budget import BudgetError, fit_epochs, fit_schedule, fit_steps, timed_steps
 from clip_mini.train.checkpoint import load_checkpoint, resolve_resume
+from conftest import tiny_sets
 
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
-        "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=128", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=32",
-        "model.text.dropout=0", "model.head_dropout=0", "data.val=60", "data.scale_min=0.9", "data.workers=0",
-        "train.batch_size=32", "train.lr=2e-3", "train.min_lr_ratio=0.1", "train.log_every=10",
-        "train.threads=1", "train.eval_batch_size=64"]
+TINY = tiny_sets() + [
+    "model.text.vocab_size=120", "data.val=60", "data.scale_min=0.9", "data.workers=0", "train.batch_size=32",
+    "train.lr=2e-3", "train.min_lr_ratio=0.1", "train.log_every=10", "train.threads=1", "train.eval_batch_size=64"]
 
 
 @pytest.fixture(scope="module")

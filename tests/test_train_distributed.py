@@ -12,16 +12,14 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from clip_mini.config import ConfigError, load_config
+from conftest import tiny_sets
 
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
-        "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=128", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=32",
-        # every kind of random mask a step draws: text and head dropout, drop-path, ViT patch-drop
-        "model.text.dropout=0.1", "model.head_dropout=0.1", "model.vision.drop_path=0.1",
-        "model.vision.patch_drop=0.25",
-        "data.val=16", "data.scale_min=0.9", "train.batch_size=8", "train.lr=2e-3", "train.warmup_steps=1",
-        "train.log_every=1", "train.threads=1", "train.eval_batch_size=64", "train.epochs=1",
-        "train.device=cpu"]
+TINY = tiny_sets() + [
+    "model.text.vocab_size=120",
+    # every kind of random mask a step draws: text and head dropout, drop-path, ViT patch-drop
+    "model.text.dropout=0.1", "model.head_dropout=0.1", "model.vision.drop_path=0.1", "model.vision.patch_drop=0.25",
+    "data.val=16", "data.scale_min=0.9", "train.batch_size=8", "train.lr=2e-3", "train.warmup_steps=1",
+    "train.log_every=1", "train.threads=1", "train.eval_batch_size=64", "train.epochs=1", "train.device=cpu"]
 
 
 def _cfg(shapes, out):

@@ -10,11 +10,9 @@ from safetensors.torch import load_file
 from clip_mini.config import ConfigError, load_config
 from clip_mini.eval.scoring import evaluate_retrieval
 from clip_mini.train import train
+from conftest import tiny_sets
 
-MODEL = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
-         "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
-         "model.text.hidden_dim=128", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=32",
-         "model.text.dropout=0", "model.head_dropout=0"]
+MODEL = tiny_sets() + ["model.text.vocab_size=120"]
 TRAIN = ["data.val=40", "data.workers=0", "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=3",
          "train.log_every=5", "train.threads=1", "train.eval_batch_size=64"]
 KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "i2t_r1", "i2t_r5", "i2t_r10", "t2i_medr", "i2t_medr", "rsum")

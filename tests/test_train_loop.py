@@ -19,16 +19,14 @@ from clip_mini.config import ConfigError, load_config
 from clip_mini.model.clip import read_manifest
 from clip_mini.train import TrainError, train
 from clip_mini.train.checkpoint import CheckpointError, load_checkpoint, read_index
+from conftest import tiny_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 # SIGKILL trials per crash test: a few in CI, many with scripts/crash_trials.sh
 KILL_TRIALS = int(os.environ.get("CLIP_MINI_KILL_TRIALS", "2"))
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=64", "model.vision.depth=2",
-        "model.vision.heads=2", "model.text.dim=64", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=128", "model.text.vocab_size=120", "model.text.max_length=16", "model.embed_dim=32",
-        "model.text.dropout=0", "model.head_dropout=0",
-        "data.val=40", "data.scale_min=0.9", "train.batch_size=16", "train.lr=2e-3", "train.warmup_steps=3",
-        "train.log_every=1", "train.threads=1", "train.eval_batch_size=64"]
+TINY = tiny_sets() + [
+    "model.text.vocab_size=120", "data.val=40", "data.scale_min=0.9", "train.batch_size=16", "train.lr=2e-3",
+    "train.warmup_steps=3", "train.log_every=1", "train.threads=1", "train.eval_batch_size=64"]
 TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 

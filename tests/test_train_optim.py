@@ -9,10 +9,9 @@ from clip_mini.model.clip import CLIPModel
 from clip_mini.train.build import check_train_config
 from clip_mini.cli.train import main
 from clip_mini.train.optim import build_optimizer, freeze_towers, lr_factor, param_groups, set_lr, set_train_mode
+from conftest import NARROW, tiny_sets
 
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
-        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=64", "model.text.vocab_size=200", "model.embed_dim=16"]
+TINY = tiny_sets(NARROW) + ["model.text.vocab_size=200"]
 TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 

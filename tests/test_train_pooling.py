@@ -5,6 +5,7 @@ import torch
 from clip_mini.config import TextConfig, load_config
 from clip_mini.model.clip import CLIPModel
 from clip_mini.model.text import TextEncoder, train_tokenizer
+from conftest import NARROW, tiny_sets
 
 CAPTIONS = ["a red circle", "a small blue square at the top", "a green star left of a yellow triangle"]
 
@@ -12,8 +13,7 @@ CAPTIONS = ["a red circle", "a small blue square at the top", "a green star left
 def test_mean_pooling_ignores_padding_and_differs_from_cls():
     tok = train_tokenizer(CAPTIONS, 100)
     torch.manual_seed(0)
-    enc = TextEncoder(TextConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64, dropout=0.0, pooling="mean"),
-                      len(tok)).eval()
+    enc = TextEncoder(TextConfig(**NARROW["text"], dropout=0.0, pooling="mean"), len(tok)).eval()
     short = tok(["a red circle"], return_tensors="pt")
     padded = tok(["a red circle", CAPTIONS[2]], padding="longest", return_tensors="pt")
     assert padded["input_ids"].shape[1] > short["input_ids"].shape[1]
@@ -27,9 +27,7 @@ def test_mean_pooling_ignores_padding_and_differs_from_cls():
 def test_onnx_query_encoder_follows_the_pooling_of_the_model(tmp_path):
     from clip_mini.retrieval.query import TextQueryEncoder
 
-    cfg = load_config(None, ["model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
-                             "model.text.hidden_dim=64", "model.embed_dim=16", "model.text.pooling=mean",
-                             "model.vision.width=32", "model.vision.heads=2", "model.vision.depth=1"])
+    cfg = load_config(None, tiny_sets(NARROW) + ["model.text.pooling=mean"])
     torch.manual_seed(0)
     model = CLIPModel.build(cfg.model, captions=CAPTIONS).eval()
     model.save_pretrained(tmp_path / "m")

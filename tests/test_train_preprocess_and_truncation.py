@@ -8,11 +8,10 @@ import yaml
 from clip_mini.model import text as text_mod
 from clip_mini.config import load_config
 from clip_mini.train import train
+from conftest import NARROW, tiny_sets
 
-TINY = ["model.vision.image_size=32", "model.vision.patch_size=8", "model.vision.width=32", "model.vision.depth=1",
-        "model.vision.heads=2", "model.text.dim=32", "model.text.n_layers=1", "model.text.n_heads=2",
-        "model.text.hidden_dim=64", "model.text.vocab_size=120", "model.embed_dim=16", "data.val=40",
-        "train.batch_size=16", "train.threads=1", "train.eval_batch_size=64", "train.epochs=2"]
+TINY = tiny_sets(NARROW) + ["model.text.vocab_size=120", "data.val=40", "train.batch_size=16", "train.threads=1",
+                            "train.eval_batch_size=64", "train.epochs=2"]
 TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 
 

@@ -1,6 +1,6 @@
 """Safe image loading: every source becomes an (H, W, 3) uint8 RGB array, or an ``ImageError`` that says why.
 
-Two entry points with different costs:
+Two entry points with different costs (``load_image_bytes`` is ``load_image`` for bytes in memory):
 
 * ``check_images`` runs once when a dataset is built. It reads headers only (plus the last few KB of JPEG/PNG
   files to catch truncation), so 7k images take about a second. It never decodes pixels.
@@ -79,6 +79,20 @@ def load_images(paths: Sequence[str], max_pixels: int = DEFAULT_MAX_PIXELS, min_
             yield path, _decode_file(path, _checked_bytes(path, data), max_pixels, min_size)
         except ImageError as e:
             yield path, e
+
+
+def load_image_bytes(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS, min_size: int | None = None
+                     ) -> np.ndarray:
+    """``load_image`` for an encoded image held in memory (an upload, a tar member): the same format allow-list,
+    pixel limit, reduced JPEG decode and Pillow error ladder (``open_image``) as a file, with ``name`` (where the
+    bytes came from) in every ``ImageError``.
+
+    Raises:
+        ImageError: empty, truncated, oversized or not-an-image bytes, naming ``name``.
+    """
+    if not data:
+        raise ImageError(name, "empty (0 bytes)")
+    return _decode_file(name, bytes(data), max_pixels, min_size)
 
 
 def _decode_file(path: str, data: bytes, max_pixels: int, min_size: int | None) -> np.ndarray:

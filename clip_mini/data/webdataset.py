@@ -158,20 +158,10 @@ def _checked(sample: Sample, report: Report) -> Iterator[Sample]:
 
 def decode_image(sample_or_bytes, name: str) -> np.ndarray:
     """Decode image bytes into (H, W, 3) uint8 with clip_mini's safe loader; errors name ``name`` (shard:key)."""
-    from PIL import Image, UnidentifiedImageError
-
-    from clip_mini.data.images import ImageError, load_image
+    from clip_mini.data.images import load_image_bytes
 
     data = sample_or_bytes.image if isinstance(sample_or_bytes, Sample) else sample_or_bytes
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            return load_image(im)
-    except ImageError as e:
-        raise ImageError(name, e.reason) from None
-    except UnidentifiedImageError:
-        raise ImageError(name, "not an image (no known format in its bytes)") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
-        raise ImageError(name, f"cannot decode: {type(e).__name__}: {e}") from None
+    return load_image_bytes(data, name)
 
 
 def read_member(shard: str, offset: int, length: int) -> bytes:

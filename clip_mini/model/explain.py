@@ -21,7 +21,9 @@ The gradient is taken with respect to the captured states only: the model's para
 for the call (restored after, whatever they were), so no parameter gradient is computed or stored, and the
 model's own ``.grad`` fields are left as they were. Calls on one model from several threads (``clip-mini serve``)
 take turns on a per-model lock, since the flags belong to the model; the capturing hook acts only in the thread
-that registered it, so other threads' forward passes through the same model (search) go by untouched.
+that registered it, so other threads' forward passes through the same model (search) go by untouched; and the ViT
+attention kernel each pass picks holds for its own thread (``ImageEncoder._pick_attention``), so a search under
+inference_mode beside it cannot switch the map's pass to the fused kernel midway (nor the map's pass the search's).
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def _tokens(model, pixels: torch.Tensor, text: torch.Tensor) -> np.ndarray:
     t = visual.trunk
     if visual.concat is not None:
         raise ValueError("token match maps read one tower's patches: this model concatenates a second tower")
+    visual._pick_attention(pixels)               # this call's kernel, not the last pass's (timm's own forward)
     states = t.forward_features(pixels)          # (1, prefix + N, D), final-normed
     patches = states[0, t.num_prefix_tokens:]    # (N, D)
     pooling = visual.cfg.pooling

