@@ -136,7 +136,7 @@ def shapes_index(trained_model_dir, heldout_images, tmp_path_factory) -> Path:
 
 def _search(index: Path, terms: list[str], capsys, k: int = 16) -> list[str]:
     capsys.readouterr()
-    assert main(["search", "--index", str(index), *terms, "-k", str(k), "--json"]) == 0
+    assert main(["search", "--index", str(index), *terms, "-k", str(k), "--json", "--cutoff", "none"]) == 0
     return [Path(r["path"]).name for r in json.loads(capsys.readouterr().out)["results"]]
 
 

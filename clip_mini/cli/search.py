@@ -64,6 +64,14 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     fl.add_argument("--before", metavar="DATE",
                     help="only photos taken before the start of DATE (same formats): --after 2024-01-01 "
                          "--before 2025-01-01 is the year 2024")
+    co = se.add_argument_group(
+        "cut-off", "stop listing photos when nothing matches: by default a hit must reach the model's own cut-off, a "
+                   "cosine calibrated on its validation split when it was trained (it keeps 90%% of the captions "
+                   "whose photo ranks in the top 5); a model without one lists the top -k")
+    co.add_argument("--cutoff", default="auto", choices=["auto", "none"],
+                    help="auto: the model's calibrated cut-off; none: list the top -k whatever they score")
+    co.add_argument("--min-score", type=float, metavar="S",
+                    help="only hits with a cosine score of at least S (instead of the model's cut-off)")
     add_device(se)
     add_quiet(se)
     return se
@@ -98,9 +106,19 @@ def cmd_search(args: argparse.Namespace) -> int:
     # image tower loads, so a text search never imports torch to ask about CUDA).
     kept = flt.rows(index) if flt.active else None   # a folder outside the index's, an index without dates: fail now
     [hits] = index.hits(terms=terms, k=args.k, model_dir=args.model, backend=args.backend, device=args.device,
-                        filters=flt)
+                        filters=flt, cutoff=args.cutoff, min_score=args.min_score)
     results = [{"rank": h["rank"], "score": round(h["score"], 6), "path": h["path"], "caption": h["caption"]}
                for h in hits]
+    if hits.below and not args.quiet:
+        rule = (f"--min-score {args.min_score:g}" if args.min_score is not None
+                else f"the model's cut-off {hits.min_score:.3f} (calibrated on its validation split)")
+        best, hint = hits.best_below, "--cutoff none" if args.min_score is None else "a lower --min-score"
+        if hits:
+            print(f"note: {hits.below} more of the top {args.k} fall below {rule}; {hint} lists them",
+                  file=sys.stderr)
+        else:
+            print(f"no good match: the nearest, {best['path']}, scores {best['score']:.3f}, below {rule}; "
+                  f"{hint} lists the nearest anyway", file=sys.stderr)
     if not args.quiet:
         if kept is not None and args.k > len(kept):
             from clip_mini.retrieval.filters import index_folder
@@ -130,6 +148,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         print_json({"query": query, "image": args.image, "index": str(index.path),
                     "terms": [{"image" if t.is_image else "text": str(t.value), "weight": t.weight} for t in terms],
                     **({"filters": flt.describe(), "passing": len(kept)} if kept is not None else {}),
+                    "min_score": hits.min_score, "below_min_score": hits.below,
                     "model_fingerprint": index.fingerprint, "results": results})
     else:
         print_results(results)

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from clip_mini.eval.cutoff import calibrate as calibrate_cutoff
 from clip_mini.eval.metrics import retrieval_metrics
 from clip_mini.model.loss import clip_loss
 from clip_mini.model.clip import ImageForward
@@ -134,6 +135,8 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
     text_features = _text_features(model, kept["caption"].astype(str).tolist(), batch_size, device, precision)
     metrics = {"loss": _val_loss(image_features, text_features, ids, model.scale().float(), batch_size)}
     metrics.update(retrieval_metrics(image_features.cpu(), text_features.cpu(), torch.from_numpy(ids.copy())))
+    # the model's own "nothing matches" cut-off (clip_mini.eval.cutoff): saved with it, read by search
+    metrics.update(calibrate_cutoff(image_features.cpu().numpy(), text_features.cpu().numpy(), ids))
     metrics.update(n_images=len(image_features), n_captions=len(kept), n_dropped_images=len(dropped),
                    n_dropped_captions=len(df) - len(kept))
     # captions cut short by model.text.max_length: a count in every result, one line per process

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from clip_mini.retrieval.build import sync_index
+from clip_mini.retrieval.cutoff import HitList, check_cutoff, resolve_min_score
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.filters import SearchFilter, merge as merge_filters, search as filtered_search
 from clip_mini.retrieval.format import EmbeddingIndexError
@@ -117,11 +118,19 @@ class EmbeddingIndex(IndexReader):
     def hits(self, texts: Optional[Sequence[str]] = None, images: Optional[Sequence[Any]] = None, k: int = 10,
              model_dir: Optional[str | Path] = None, backend: str = "auto", device: str = "cpu",
              terms: Any = None, *, under: Any = None, glob: Optional[str] = None, after: Any = None,
-             before: Any = None, filters: Optional[SearchFilter] = None) -> list[list[dict]]:
+             before: Any = None, filters: Optional[SearchFilter] = None, cutoff: Any = None,
+             min_score: Optional[float] = None) -> list[HitList]:
         """One ranked list per query (texts, images or one query of ``terms``, exactly one of the three):
         ``{"rank", "score", "path", "caption", "row"}`` dicts, best first. What ``search_text`` / ``search_image``
         and ``clip-mini search`` return. Filters as ``search``: a list is shorter than ``k`` only when fewer rows
-        pass."""
+        pass.
+
+        A cut-off drops the hits below a cosine (``clip_mini.retrieval.cutoff``): ``cutoff="auto"`` the model's
+        own, calibrated on its val split when it was trained (none for a model without one), ``min_score`` one of
+        your own. Each list (a ``HitList``) counts the hits it dropped (``below``), keeps the best of them
+        (``best_below``) and the cosine used (``min_score``), so a caller can say "no good match" rather than
+        print nothing.
+        """
         if sum(x is not None for x in (texts, images, terms)) != 1:
             raise EmbeddingIndexError("hits needs texts, images or terms (exactly one)")
         flt = merge_filters(filters, under, glob, after, before)   # a bad filter fails before the model loads
@@ -132,14 +141,23 @@ class EmbeddingIndex(IndexReader):
             queries = engine.encode_query(terms)[None]
         else:
             queries = engine.encode_text(list(texts)) if texts is not None else engine.encode_image(list(images))
+        check_cutoff(cutoff)   # a bad cut-off fails before the search
         if flt.active:
             scores, ids = filtered_search(self, queries, k, flt)
         else:
             scores, ids = super().search(queries, k, backend)
-        return [[{"rank": r + 1, "score": float(s), "path": self.items["path"][i],
-                  "caption": self.items["caption"][i], "row": int(i)}
-                 for r, (i, s) in enumerate((i, s) for i, s in zip(row_ids, row_scores) if i >= 0)]
-                for row_ids, row_scores in zip(ids, scores)]
+        floor = resolve_min_score(cutoff, min_score, self._model_dir(model_dir))
+        out = []
+        for row_ids, row_scores in zip(ids, scores):
+            found = [{"score": float(s), "path": self.items["path"][i], "caption": self.items["caption"][i],
+                      "row": int(i)} for i, s in zip(row_ids, row_scores) if i >= 0]
+            passes = [floor is None or h["score"] >= floor for h in found]
+            kept = HitList({"rank": r + 1, **h} for r, h in enumerate(h for h, ok in zip(found, passes) if ok))
+            kept.below = passes.count(False)
+            kept.best_below = next((h for h, ok in zip(found, passes) if not ok), None)
+            kept.min_score = floor
+            out.append(kept)
+        return out
 
     def engine(self, model_dir: Optional[str | Path] = None, device: str = "cpu") -> QueryEngine:
         """The query engine of ``model_dir`` (default: the index's model), loaded once and kept on the index.

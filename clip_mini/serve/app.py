@@ -44,6 +44,7 @@ from clip_mini.errors import FilterError, InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.features.terms import QueryError, Term, parse_term
+from clip_mini.retrieval.cutoff import resolve_min_score
 from clip_mini.retrieval.filters import SearchFilter
 from clip_mini.serve.admission import BoundedPool, Busy
 from clip_mini.serve.batching import SearchBatcher
@@ -186,7 +187,7 @@ class Service:
             raise ApiError(400, _public(str(e), gen)) from None
 
     async def search_text(self, q: Optional[str], k: int, without: Sequence[str] = (),
-                          where: Optional[SearchFilter] = None) -> dict:
+                          where: Optional[SearchFilter] = None, floor: Optional[float] = None) -> dict:
         if q is None or not q.strip():
             raise ApiError(400, "the query q is empty: type some words describing the image")
         terms = self.query_terms(q, without)
@@ -196,9 +197,9 @@ class Service:
         # than cores only contend for them and for the GIL.
         features = await asyncio.get_running_loop().run_in_executor(self._text_pool, self._encode_terms, terms)
         head = {"query": q, **({"without": [str(t) for t in terms[1:]]} if len(terms) > 1 else {})}
-        return await self._results(features, k, start, head, where)
+        return await self._results(features, k, start, head, where, floor)
 
-    async def search_image(self, upload: Upload) -> dict:
+    async def search_image(self, upload: Upload, floor: Optional[float] = None) -> dict:
         """Parse, decode and embed an upload on the image pool (503 when it is full), then search."""
         if not upload.is_json:
             self.check_k(upload.k)
@@ -213,7 +214,7 @@ class Service:
             where = self.where(**{**dict(upload.where), **fields})
         return await self._results(features, k, start, {"query": None, "image": name,
                                                         **({"without": [str(t) for t in upload.without]}
-                                                           if upload.without else {})}, where)
+                                                           if upload.without else {})}, where, floor)
 
     def _encode_upload(self, upload: Upload) -> tuple[np.ndarray, int, str, dict]:
         data, name, k, fields = _parse_json_upload(upload.data, upload.k) if upload.is_json else (*upload[:3], {})
@@ -246,15 +247,30 @@ class Service:
             raise ApiError(413, f"{name}: decoding this image needs more memory than the server has free; send a "
                                 f"smaller image") from None
 
+    def min_score(self, cutoff: Optional[str], min_score: Optional[float]) -> Optional[float]:
+        """The cosine a hit must reach (``clip_mini.retrieval.cutoff``): ``min_score``, else the model's calibrated
+        cut-off with ``cutoff=auto`` (the default), none with ``cutoff=none``."""
+        if min_score is not None and not np.isfinite(min_score):
+            raise ApiError(400, f"min_score {min_score!r} is not a finite number")
+        try:
+            return resolve_min_score("auto" if cutoff is None else cutoff, min_score, self.model_dir)
+        except QueryError as e:
+            raise ApiError(400, str(e)) from None
+
     async def _results(self, features: np.ndarray, k: int, start: float, head: dict,
-                       where: Optional[SearchFilter] = None) -> dict:
+                       where: Optional[SearchFilter] = None, floor: Optional[float] = None) -> dict:
         # One generation for the whole answer: ids, paths and scores agree (the batcher searched that one).
         gen, scores, ids = await asyncio.wrap_future(self.batcher.submit(features, k, where))
         if where is not None:
             head = {**head, "filters": where.describe(), "passing": len(where.rows(gen.index))}
         index = gen.index
+        found = [(int(i), float(s)) for i, s in zip(ids, scores) if i >= 0]
+        passing = [(i, s) for i, s in found if floor is None or s >= floor]
+        below = [s for i, s in found if floor is not None and s < floor]
+        head = {**head, "min_score": floor, "below": len(below),
+                **({"best_below": round(below[0], 6)} if below else {})}
         results = []
-        for rank, (i, s) in enumerate(((int(i), float(s)) for i, s in zip(ids, scores) if i >= 0), 1):
+        for rank, (i, s) in enumerate(passing, 1):
             hit = {"rank": rank, "id": i, "path": gen.shown_path(i), "score": round(s, 6)}
             if index.items["caption"][i]:
                 hit["caption"] = index.items["caption"][i]
@@ -398,18 +414,20 @@ def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
     @get("/api/search")
     async def search(q: Optional[str] = None, k: int = 10, without: list[str] = Query([]),
                      under: Optional[str] = None, glob: Optional[str] = None, after: Optional[str] = None,
-                     before: Optional[str] = None):
-        where = svc.where(under, glob, after, before)
-        return JSONResponse(await svc.search_text(q, k, without, where))   # plain JSON types: no response-model pass
+                     before: Optional[str] = None, cutoff: Optional[str] = None, min_score: Optional[float] = None):
+        where, floor = svc.where(under, glob, after, before), svc.min_score(cutoff, min_score)
+        return JSONResponse(await svc.search_text(q, k, without, where, floor))   # plain JSON: no response model
 
     @app.post("/api/search/image")
     async def search_image(request: Request, k: int = 10, without: list[str] = Query([]),
                            under: Optional[str] = None, glob: Optional[str] = None, after: Optional[str] = None,
-                           before: Optional[str] = None):
+                           before: Optional[str] = None, cutoff: Optional[str] = None,
+                           min_score: Optional[float] = None):
         where = tuple((n, v) for n, v in (("under", under), ("glob", glob), ("after", after), ("before", before))
                       if v is not None)
+        floor = svc.min_score(cutoff, min_score)
         upload = (await _read_upload(request, k))._replace(without=tuple(without), where=where)
-        return JSONResponse(await svc.search_image(upload))
+        return JSONResponse(await svc.search_image(upload, floor))
 
     @get("/thumb/{row}")
     def thumb(row: int, gen: Optional[int] = None):

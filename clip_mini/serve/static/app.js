@@ -55,8 +55,27 @@ function render(answer, what) {
   grid.dataset.generation = answer.generation;
   grid.dataset.query = what;
   const n = answer.results.length;
-  setStatus(`${n} result${n === 1 ? "" : "s"} for ${what} in ${answer.took_ms.toFixed(1)} ms ` +
+  if (!n && answer.below) {   // every hit fell below the model's cut-off: say so instead of a wall of weak hits
+    setStatus(`No good match for ${what}: the nearest photo scores ${answer.best_below.toFixed(3)}, below this ` +
+              `model's cut-off ${answer.min_score.toFixed(3)}.`);
+    const more = document.createElement("button");
+    more.type = "button";
+    more.id = "show-weak";
+    more.textContent = "show the nearest anyway";
+    more.addEventListener("click", () => { showWeak = true; rerun(); });
+    statusLine.append(" ", more);
+    return;
+  }
+  const weak = answer.below ? ` (${answer.below} more below the cut-off)` : "";
+  setStatus(`${n} result${n === 1 ? "" : "s"} for ${what}${weak} in ${answer.took_ms.toFixed(1)} ms ` +
             `(index generation ${answer.generation})`);
+}
+
+// "show the nearest anyway": the next search of the same query lists the top k whatever they score (cutoff=none)
+let showWeak = false, rerun = () => {};
+function cutoffParams(params) {
+  if (showWeak) params.append("cutoff", "none");
+  showWeak = false;
 }
 
 // The "without" box: one term the server subtracts from the query (the command line's `- "grass"`).
@@ -93,6 +112,8 @@ async function searchText(query) {
   if (withoutTerm()) params.append("without", withoutTerm());
   for (const [name, value] of filterParams()) params.append(name, value);
   history.replaceState(null, "", `/?${params}`);
+  rerun = () => searchText(query);
+  cutoffParams(params);
   try {
     render(await callApi(`/api/search?${params}`), `“${query}”${withoutText()}${filterText()}`);
     $("query-image").hidden = true;
@@ -110,6 +131,8 @@ async function searchImage(file) {
     const params = new URLSearchParams({ k: kSelect.value });
     if (withoutTerm()) params.append("without", withoutTerm());
     for (const [name, value] of filterParams()) params.append(name, value);
+    rerun = () => searchImage(file);
+    cutoffParams(params);
     const answer = await callApi(`/api/search/image?${params}`, { method: "POST", body });
     const preview = $("query-preview");
     if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
