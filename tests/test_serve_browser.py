@@ -190,6 +190,72 @@ def test_search_page_in_chromium(server, browser, photos, tmp_path):
     print(f"screenshots: {shot}, {tmp_path / 'viewer.png'}")
 
 
+def test_why_this_match_in_chromium(server, browser, photos, tmp_path):
+    """The "why this match" box: ticked, each result shows the match map of the query over it (/api/explain, the
+    same picture the API answers); unticked, the thumbnails again. A query it cannot explain (a "without" term, an
+    image) disables it with a tooltip saying why, and the next plain text query brings the maps back."""
+    import io
+    from urllib.parse import parse_qs, urlsplit
+
+    import httpx
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 120)
+    srcs = "return [...document.querySelectorAll('#results img')].map(i => i.getAttribute('src'))"
+    loaded = ("return [...document.querySelectorAll('#results img')].slice(0, 8)"
+              ".every(i => i.complete && i.naturalWidth > 0 && i.getAttribute('src').startsWith(arguments[0]))")
+    browser.get(server + "/")
+    box = browser.find_element(By.ID, "explain")
+    assert not box.is_enabled()   # nothing to explain yet
+    browser.find_element(By.ID, "q").send_keys(QUERY, Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query") == f"“{QUERY}”")
+    wait.until(lambda d: d.execute_script(loaded, "/thumb/"))
+    assert box.is_enabled() and not box.is_selected() and "where each result matches" in box.get_attribute("title")
+
+    box.click()   # on: every result's picture is its match map
+    wait.until(lambda d: all(s.startswith("/api/explain/") for s in d.execute_script(srcs)))
+    wait.until(lambda d: d.execute_script(loaded, "/api/explain/"))
+    api = httpx.get(f"{server}/api/search", params={"q": QUERY, "k": 24}, timeout=60).json()
+    shown = browser.execute_script(srcs)
+    assert [urlsplit(s).path for s in shown] == [f"/api/explain/{h['id']}" for h in api["results"]]
+    assert all(parse_qs(urlsplit(s).query) == {"q": [QUERY], "gen": [str(api["generation"])]} for s in shown)
+    first = httpx.get(server + shown[0], timeout=120)
+    assert first.status_code == 200 and first.headers["content-type"] == "image/png"
+    width = browser.execute_script("return document.querySelector('#results img').naturalWidth")
+    assert width == Image.open(io.BytesIO(first.content)).width
+    shot = tmp_path / "why-this-match.png"
+    assert browser.save_screenshot(str(shot))
+    print(f"screenshot: {shot}")
+
+    box.click()   # off: the thumbnails again
+    wait.until(lambda d: all(s.startswith("/thumb/") for s in d.execute_script(srcs)))
+    wait.until(lambda d: d.execute_script(loaded, "/thumb/"))
+    box.click()
+
+    # a "without" term: no single caption to explain; the box is disabled and says why, the thumbnails are shown
+    browser.find_element(By.ID, "without").send_keys("red")
+    browser.find_element(By.ID, "q").send_keys(Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query") == f"“{QUERY}” without “red”")
+    assert not box.is_enabled() and not box.is_selected()
+    assert "single text query" in box.get_attribute("title")
+    assert "single text query" in browser.find_element(By.ID, "explain-label").get_attribute("title")
+    assert all(s.startswith("/thumb/") for s in browser.execute_script(srcs))
+    # an image query: the same
+    browser.find_element(By.ID, "image-file").send_keys(str(photos[0] / api["results"][3]["path"]))
+    wait.until(lambda d: (d.find_element(By.ID, "results").get_attribute("data-query") or "").startswith("image "))
+    assert not box.is_enabled() and not box.is_selected() and "single text query" in box.get_attribute("title")
+    assert all(s.startswith("/thumb/") for s in browser.execute_script(srcs))
+    # the plain text query again: the box comes back ticked, with the maps
+    browser.find_element(By.ID, "without").clear()
+    browser.find_element(By.ID, "q").send_keys(Keys.ENTER)
+    wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-query") == f"“{QUERY}”")
+    assert box.is_enabled() and box.is_selected()
+    wait.until(lambda d: d.execute_script(loaded, "/api/explain/"))
+
+
 def test_login_page_in_chromium(token_server, browser):
     """With a token, the page sends the browser to the login form; the right token opens the search page."""
     from selenium.webdriver.common.by import By

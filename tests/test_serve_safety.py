@@ -156,8 +156,8 @@ def test_shard_rows_are_read_only_from_shards_under_the_root(tmp_path):
 
 
 # -- the token ------------------------------------------------------------------------------------------------------
-PROTECTED = ["/", "/api/info", "/api/search?q=red", "/thumb/0", "/image/0", "/api/attention/0", "/static/app.js",
-             "/static/index.html"]
+PROTECTED = ["/", "/api/info", "/api/search?q=red", "/thumb/0", "/image/0", "/api/attention/0", "/api/explain/0?q=red",
+             "/static/app.js", "/static/index.html"]
 
 
 @pytest.fixture(scope="module")
@@ -578,7 +578,7 @@ def test_deep_or_huge_json_gets_a_json_400(photo_index):
 
 def test_pictures_may_not_be_embedded_by_other_sites(photo_index):
     with _client(photo_index) as c:
-        for url in ("/image/0", "/thumb/0", "/api/attention/0"):
+        for url in ("/image/0", "/thumb/0", "/api/attention/0", "/api/explain/0?q=red"):
             r = c.get(url)
             assert r.status_code == 200 and r.headers["cross-origin-resource-policy"] == "same-origin", url
 

@@ -121,3 +121,105 @@ def test_cls_input_auto_zeroes_only_a_from_scratch_tower_of_two_or_more_blocks(n
     enc = TextEncoder(TextConfig(dim=64, n_layers=n_layers, n_heads=4, hidden_dim=128, pretrained=pretrained), 100)
     ids = torch.tensor([[2, 7, 8, 3]])
     assert (enc.bert.embeddings(ids)[:, 0].abs().max() == 0) == zeroed
+
+
+def _kernel_test_tower():
+    torch.manual_seed(0)
+    tok = train_tokenizer(CAPTIONS, vocab_size=300)
+    enc = TextEncoder(TextConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64, dropout=0.0), len(tok)).eval()
+    # padded: the two kernels' masks differ in format (eager: additive floats; sdpa: booleans or none)
+    return enc, dict(tok(CAPTIONS, padding="longest", return_tensors="pt"))
+
+
+def _kernel_of(mode) -> str:
+    from clip_mini.model.layers.dropout import register_eager_attention
+
+    return "sdpa" if mode is torch.inference_mode else register_eager_attention()
+
+
+@pytest.mark.parametrize("outer, inner", [(torch.no_grad, torch.inference_mode), (torch.inference_mode, torch.no_grad),
+                                          (torch.enable_grad, torch.inference_mode)])
+def test_a_text_pass_keeps_its_attention_kernel_while_another_thread_runs_the_tower(outer, inner):
+    """One model serves several threads (``clip-mini serve``: match maps beside searches): transformers reads the
+    attention kernel from the config every layer shares, so a pass under inference_mode (fused) in another thread
+    must not switch a CPU pass without it (plain) midway, nor the reverse. Each pass's layers run the kernel its own
+    thread picked, and its output equals the same pass run alone, bit for bit."""
+    import threading
+
+    enc, batch = _kernel_test_tower()
+
+    def run(mode):
+        with mode():
+            return enc(**batch).detach().clone()
+
+    alone = {outer: run(outer), inner: run(inner)}
+    seen: dict = {}   # (thread, layer) -> the kernel that layer's attention read
+    outer_thread, other = threading.get_ident(), {}
+
+    def record(layer):
+        def hook(_module, _args):
+            seen.setdefault((threading.get_ident(), layer), enc.bert.config._attn_implementation)
+        return hook
+
+    def inner_pass():
+        try:
+            other["features"] = run(inner)
+            other["thread"] = threading.get_ident()
+        except Exception as err:   # noqa: BLE001 - reported by the assertion below
+            other["error"] = err
+
+    def midway(_module, _args):   # the outer pass's mask is built and its first layer is about to run
+        if threading.get_ident() == outer_thread and not other:
+            t = threading.Thread(target=inner_pass)
+            t.start()
+            t.join()
+
+    layers = enc.bert.transformer.layer
+    handles = [layers[0].register_forward_pre_hook(midway)]
+    handles += [layer.attention.register_forward_pre_hook(record(i)) for i, layer in enumerate(layers)]
+    try:
+        mid = run(outer)
+    finally:
+        for h in handles:
+            h.remove()
+    assert "error" not in other, other.get("error")
+    assert {i: seen[(outer_thread, i)] for i in range(len(layers))} == {i: _kernel_of(outer) for i in range(len(layers))}
+    assert {i: seen[(other["thread"], i)] for i in range(len(layers))} == {i: _kernel_of(inner) for i in range(len(layers))}
+    assert torch.equal(mid, alone[outer])
+    assert torch.equal(other["features"], alone[inner])
+
+
+def test_text_passes_from_many_threads_equal_their_single_threaded_results():
+    """Text passes under inference_mode, no_grad and with a graph from many threads at once: each equals what the
+    same pass gives on its own, bit for bit (each thread's kernel choice holds for its own passes only)."""
+    import threading
+
+    enc, batch = _kernel_test_tower()
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+
+    def run(mode, inputs):
+        with mode():
+            return enc(**inputs).detach().clone()
+
+    jobs = [lambda m=m, x=x: run(m, x) for m in (torch.inference_mode, torch.no_grad, torch.enable_grad)
+            for x in (batch, *halves)] * 2
+    alone = [job() for job in jobs]
+    for _ in range(4):
+        results, errors = [None] * len(jobs), []
+        start = threading.Barrier(len(jobs))
+
+        def work(k):
+            try:
+                start.wait()
+                results[k] = jobs[k]()
+            except Exception as err:   # noqa: BLE001 - reported by the assertion below
+                errors.append(err)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        differ = [k for k in range(len(jobs)) if not torch.equal(results[k], alone[k])]
+        assert not differ, f"passes {differ} of {len(jobs)} differ from their single-threaded results"

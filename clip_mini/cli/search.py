@@ -80,7 +80,7 @@ def add_arguments(sub) -> argparse.ArgumentParser:
 def cmd_search(args: argparse.Namespace) -> int:
     from clip_mini.retrieval.filters import SearchFilter
     from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
-    from clip_mini.features.terms import USAGE, QueryError, describe, parse_args
+    from clip_mini.features.terms import USAGE, QueryError, describe, parse_args, single_caption
 
     args.paths = args.paths or args.null
     if args.paths and args.json:
@@ -90,7 +90,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     # Bad terms (a weight, a missing image) and bad filters (a date) fail before the index is opened.
     terms = parse_args(args.query, [] if args.image is None else [args.image])
     flt = SearchFilter.of(under=args.under, glob=args.glob, after=args.after, before=args.before)
-    single_text = len(terms) == 1 and not terms[0].is_image and terms[0].weight == 1
+    single_text = single_caption(terms) is not None
     if args.explain and (args.grid is None or not single_text):
         raise EmbeddingIndexError("--explain draws where one caption matches into --grid PNG: give --grid and a "
                                   "single text query (no + or - terms, no image)")

@@ -219,6 +219,16 @@ def combine(terms: Sequence[Term], encode_text: Callable[[list], np.ndarray],
     return (query / norm).astype(np.float32)
 
 
+def single_caption(terms: Sequence[Term]) -> str | None:
+    """The caption of a query that is one text term of weight 1, else None: the queries a match map explains
+    (``clip-mini search --explain``, ``clip-mini serve``'s ``/api/explain``), since a map shows where one caption
+    matches, not a weighted sum of terms or an image."""
+    terms = list(terms)
+    if len(terms) == 1 and not terms[0].is_image and terms[0].weight == 1:
+        return str(terms[0].value)
+    return None
+
+
 def describe(terms: Sequence[Term]) -> str:
     """The terms in the command line's grammar (one plain caption stays as it is): for titles and JSON."""
     terms = list(terms)

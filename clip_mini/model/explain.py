@@ -23,7 +23,9 @@ model's own ``.grad`` fields are left as they were. Calls on one model from seve
 take turns on a per-model lock, since the flags belong to the model; the capturing hook acts only in the thread
 that registered it, so other threads' forward passes through the same model (search) go by untouched; and the ViT
 attention kernel each pass picks holds for its own thread (``ImageEncoder._pick_attention``), so a search under
-inference_mode beside it cannot switch the map's pass to the fused kernel midway (nor the map's pass the search's).
+inference_mode beside it cannot switch the map's pass to the fused kernel midway (nor the map's pass the search's);
+the text tower's choice is per thread too (``model.text``). ``unexplainable`` says, before any pass, whether a model's
+tower has maps at all.
 """
 from __future__ import annotations
 
@@ -61,10 +63,11 @@ def match_map(model, pixels: torch.Tensor, text_features: torch.Tensor, method: 
     # a copy: an embedding made under inference_mode cannot enter the graph the gradient runs through
     text = F.normalize(torch.as_tensor(text_features, dtype=torch.float32, device=device).reshape(1, -1).clone(),
                        dim=-1)
+    reason = unexplainable(model, method)
+    if reason is not None:
+        raise ValueError(reason)
     visual = model.visual
     if method == "tokens":
-        if visual.cfg.backbone != "vit":
-            raise ValueError(f"token match maps need a ViT image tower, this model uses {visual.cfg.backbone}")
         return _tokens(model, pixels, text)
     if visual.cfg.backbone == "vit":
         return _gradcam_vit(model, pixels, text)
@@ -80,18 +83,13 @@ def _grid(visual, pixels: torch.Tensor) -> tuple[int, int]:
 def _tokens(model, pixels: torch.Tensor, text: torch.Tensor) -> np.ndarray:
     visual = model.visual
     t = visual.trunk
-    if visual.concat is not None:
-        raise ValueError("token match maps read one tower's patches: this model concatenates a second tower")
     visual._pick_attention(pixels)               # this call's kernel, not the last pass's (timm's own forward)
     states = t.forward_features(pixels)          # (1, prefix + N, D), final-normed
     patches = states[0, t.num_prefix_tokens:]    # (N, D)
-    pooling = visual.cfg.pooling
-    if pooling == "cls":
+    if visual.cfg.pooling == "cls":   # else cls_mean (``unexplainable`` refused the others)
         inputs = patches
-    elif pooling == "cls_mean":
-        inputs = torch.cat([states[0, :1].expand_as(patches), patches], dim=-1)
     else:
-        raise ValueError(f"token match maps support cls and cls_mean pooling, this tower uses {pooling}")
+        inputs = torch.cat([states[0, :1].expand_as(patches), patches], dim=-1)
     scores = F.normalize(model.image_head(inputs).float(), dim=-1) @ text[0]
     return scores.reshape(_grid(visual, pixels)).cpu().numpy().astype(np.float32)
 
@@ -161,12 +159,35 @@ def _gradcam_vit(model, pixels: torch.Tensor, text: torch.Tensor) -> np.ndarray:
     return heat.reshape(_grid(visual, pixels)).cpu().numpy().astype(np.float32)
 
 
+def _cnn_head(trunk):
+    """A CNN trunk's last feature map's layer: timm EfficientNets end in a 1x1 head conv, its BatchNorm and
+    activation (bn2); None for a trunk without one."""
+    return next((getattr(trunk, n) for n in ("bn2", "conv_head") if getattr(trunk, n, None) is not None), None)
+
+
+def unexplainable(model, method: Method = "auto") -> str | None:
+    """Why ``match_map(model, ..., method)`` cannot draw this model's maps, or None when it can: the rules
+    ``match_map`` applies, asked before any image is read (``clip-mini serve`` answers such a model's requests
+    501 instead of running a pass to find out)."""
+    visual = model.visual
+    backbone = visual.cfg.backbone
+    if method == "tokens":
+        if backbone != "vit":
+            return f"token match maps need a ViT image tower, this model uses {backbone}"
+        if visual.concat is not None:
+            return "token match maps read one tower's patches: this model concatenates a second tower"
+        if visual.cfg.pooling not in ("cls", "cls_mean"):
+            return f"token match maps support cls and cls_mean pooling, this tower uses {visual.cfg.pooling}"
+        return None
+    if backbone != "vit" and _cnn_head(visual.trunk) is None:
+        return (f"Grad-CAM needs a ViT image tower or a CNN tower ending in a head conv (conv_head / bn2); this "
+                f"model's {backbone} tower ({type(visual.trunk).__name__}) has neither")
+    return None
+
+
 def _gradcam_cnn(model, pixels: torch.Tensor, text: torch.Tensor) -> np.ndarray:
     trunk = model.visual.trunk
-    # timm EfficientNets end in a 1x1 head conv, its BatchNorm and activation (bn2): the last feature map
-    layer = next((getattr(trunk, n) for n in ("bn2", "conv_head") if getattr(trunk, n, None) is not None), None)
-    if layer is None:
-        raise ValueError(f"Grad-CAM needs a CNN tower ending in a head conv (conv_head / bn2): {type(trunk).__name__}")
+    layer = _cnn_head(trunk)   # there is one: ``unexplainable`` checked
     a, grad = _similarity_gradient(model, pixels, text, layer, pre=False)   # (1, C, h, w) each
     weights = grad.mean(dim=(2, 3), keepdim=True)         # Grad-CAM: channel importance
     heat = (weights * a).sum(1)[0].clamp_min(0)

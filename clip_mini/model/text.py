@@ -7,7 +7,9 @@ BERT without token-type embeddings and pooler, so the weights map one-to-one onc
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -151,6 +153,73 @@ def build_tokenizer(cfg: TextConfig, captions: Iterable[str] | None = None):
     return train_tokenizer(captions, cfg.vocab_size)
 
 
+# The attention kernel of a text tower as this thread's last pass picked it (``TextEncoder.forward``). transformers reads
+# it from the config every layer of the tower shares, at the mask and at each layer, and one model serves several
+# threads at once (``clip-mini serve``: match maps beside searches; a library user's thread pool): a pass under
+# inference_mode (fused kernel) must not switch another thread's pass with a graph or under no_grad (plain kernel, with
+# the other mask format) midway. The ViT's blocks have the same per-thread choice (``vision._per_thread_kernel``).
+_THREAD_KERNELS = threading.local()
+_PER_THREAD_CONFIGS: dict[type, type] = {}
+_SLOT = "_clip_mini_kernel_slot"
+
+
+class _Slot:
+    """The key of one config's per-thread kernel choices: a transformers config compares by value and has no hash.
+    A deep copy of the config (``copy.deepcopy(model)``) gets a slot of its own."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _slot(config) -> _Slot:
+    slot = config.__dict__.get(_SLOT)
+    if slot is None:
+        slot = config.__dict__[_SLOT] = _Slot()
+    return slot
+
+
+def _get_attn_implementation(config) -> str:
+    if not torch.compiler.is_compiling():   # a compiled pass is traced with the config's own value
+        mine = getattr(_THREAD_KERNELS, "choices", None)
+        slot = config.__dict__.get(_SLOT)
+        if mine is not None and slot is not None:
+            choice = mine.get(slot)
+            if choice is not None:
+                return choice
+    return config._attn_implementation_internal
+
+
+def _per_thread_kernel(config) -> None:
+    """Make ``config._attn_implementation`` per thread: set in a thread, it is read back in that thread; a thread that
+    never set it reads the last value set anywhere. Done by giving the config a subclass of its own class (cached per
+    class) whose ``_attn_implementation`` is such a property; its fields, equality and ``to_dict`` stay transformers'
+    (the slot is left out), and pickling it fails loudly, like the ViT's blocks."""
+    cls = type(config)
+    if cls in _PER_THREAD_CONFIGS.values():
+        return
+    sub = _PER_THREAD_CONFIGS.get(cls)
+    if sub is None:
+        shared = getattr(cls, "_attn_implementation")   # transformers' property: sets the value every thread sees
+
+        def set_attn_implementation(self, value) -> None:
+            shared.fset(self, value)
+            if not torch.compiler.is_compiling():
+                mine = getattr(_THREAD_KERNELS, "choices", None)
+                if mine is None:
+                    mine = _THREAD_KERNELS.choices = weakref.WeakKeyDictionary()
+                mine[_slot(self)] = self._attn_implementation_internal
+
+        def to_dict(self) -> dict:
+            out = cls.to_dict(self)
+            out.pop(_SLOT, None)
+            return out
+
+        sub = _PER_THREAD_CONFIGS.setdefault(cls, type(cls.__name__, (cls,), {
+            "_attn_implementation": property(_get_attn_implementation, set_attn_implementation),
+            "to_dict": to_dict, "__module__": __name__}))
+    _slot(config)   # now, not racing in a thread's first pass
+    object.__setattr__(config, "__class__", sub)
+
+
 class TextEncoder(nn.Module):
     """DistilBERT pooled at [CLS] (position 0) or by the mean over unmasked tokens (``TextConfig.pooling``)."""
 
@@ -167,6 +236,7 @@ class TextEncoder(nn.Module):
         )
         hf_cfg._attn_implementation = "sdpa"
         self.bert = DistilBertModel(hf_cfg)
+        _per_thread_kernel(self.bert.config)   # forward's kernel choice holds for the thread that made it
         # torch's CPU dropout mask is slow (a single-threaded draw per element): the same distribution, cheaper
         # (clip_mini/model/layers/dropout.py), in the embeddings, the FFNs and the attention (the registered one)
         self._eager = register_eager_attention()
@@ -183,7 +253,8 @@ class TextEncoder(nn.Module):
             self.bert.embeddings.register_forward_hook(_zero_first_position)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        # transformers reads the kernel from the config at every call: plain attention for CPU training (kernels.py)
+        # transformers reads the kernel from the config at every call: plain attention for CPU training (kernels.py);
+        # the choice holds for this thread's passes only (_per_thread_kernel)
         self.bert.config._attn_implementation = "sdpa" if fused_attention(input_ids) else self._eager
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, dim)
         if self.cfg.pooling == "mean":   # mean over the real tokens ([CLS] and [SEP] included), padding excluded

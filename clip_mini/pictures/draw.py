@@ -45,7 +45,7 @@ def _thumbnail(path: str, thumb: int, heat: Optional[np.ndarray] = None) -> Imag
     tile = Image.new("RGB", (thumb, thumb), _MISSING)
     try:
         array = load_image(path)
-        img = Image.fromarray(array) if heat is None else overlay_image(array, heat, alpha=0.45)
+        img = Image.fromarray(array) if heat is None else match_overlay(array, heat)
     except (ImageError, OSError):
         ImageDraw.Draw(tile).text((8, thumb // 2 - 8), "unreadable", fill=_FG, font=_font(13))
         return tile
@@ -155,6 +155,24 @@ def overlay_image(image: np.ndarray, heat: np.ndarray, alpha: float = 0.5, size:
     colours = matplotlib.colormaps[cmap](np.clip(up, 0, 1))[..., :3]  # (H, W, 3) in [0, 1]
     blend = (1 - alpha) * np.asarray(base, np.float32) / 255 + alpha * colours
     return Image.fromarray((np.clip(blend, 0, 1) * 255 + 0.5).astype(np.uint8))
+
+
+MATCH_ALPHA = 0.45   # the match map's share of an explained picture: light enough to see the image under it
+
+
+def match_overlay(image: np.ndarray, heat: np.ndarray, longest: Optional[int] = None) -> Image.Image:
+    """A match map (``Embedder.explain``) over its (H, W, 3) uint8 image, as ``clip-mini search --explain`` draws
+    each hit and ``clip-mini serve`` answers ``/api/explain``.
+
+    Args:
+        longest: shrink the image first (never enlarge it) to at most this many pixels on its longer side, as
+            ``Image.thumbnail`` does (a server thumbnail's size); the map is resized to it.
+    """
+    if longest is not None and max(image.shape[:2]) > longest:
+        small = Image.fromarray(image)
+        small.thumbnail((longest, longest), Image.Resampling.LANCZOS)
+        image = np.asarray(small)
+    return overlay_image(image, heat, alpha=MATCH_ALPHA)
 
 
 def attention_overlay(image: np.ndarray, heat: np.ndarray, out_png: str | Path, alpha: float = 0.5,

@@ -8,6 +8,9 @@
     GET  /thumb/ID?gen=G             JPEG thumbnail of row ID of generation G (default: the current one)
     GET  /image/ID?gen=G             the original file of that row
     GET  /api/attention/ID?gen=G     PNG of the ViT's CLS attention over that image
+    GET  /api/explain/ID?q=TEXT&gen=G   "why this match": PNG of that image at its thumbnail's size with the match
+                                     map of the caption TEXT over it (``Embedder.explain``, drawn as ``clip-mini
+                                     search --explain`` draws a hit); cached in memory
     GET  /healthz, /api/info         liveness; model fingerprint, index size, generation, back end, towers
     GET  /                           the search page (``static/``: one HTML, one JS, one CSS file, nothing remote)
     GET  /login, POST /login         the page's login form, when the server has a token (``guards.TokenAuth``)
@@ -15,8 +18,9 @@
 Files are reachable only through a row id of the loaded index, and only when they lie under its image root
 (``Generation.image_file``): no parameter is ever used as a path, and paths in answers are relative to that root.
 Every error is JSON ``{"error": message}`` with a 4xx status (503 when the image pool is full); the model, both
-query towers and the index are loaded in ``Service``, the attention model in the background once the app starts.
-Text queries and image queries run on separate threads (``admission``), so uploads never hold up text search.
+query towers and the index are loaded in ``Service``, the torch model (attention and match maps) in the background
+once the app starts. Text queries, image queries and match maps run on separate threads (``admission``), so uploads
+and maps never hold up text search.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from clip_mini.data.images import ImageError
 from clip_mini.errors import FilterError, InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
-from clip_mini.features.terms import QueryError, Term, parse_term
+from clip_mini.features.terms import QueryError, Term, parse_term, single_caption
 from clip_mini.retrieval.cutoff import resolve_min_score
 from clip_mini.retrieval.filters import SearchFilter
 from clip_mini.serve.admission import BoundedPool, Busy
@@ -52,7 +56,8 @@ from clip_mini.serve.generations import Generation, IndexWatcher, NotServed, use
 from clip_mini.serve.guards import SESSION_COOKIE, HostCheck, SecurityHeaders, TokenAuth, session_value, \
     token_matches
 from clip_mini.serve.limits import BodyTooLarge, LimitBody
-from clip_mini.serve.pictures import UPLOAD_MAX_PIXELS, AttentionRenderer, decode_upload, original, thumbnail_jpeg
+from clip_mini.serve.pictures import (UPLOAD_MAX_PIXELS, MapRenderer, PictureCache, decode_upload, file_version,
+                                      original, thumbnail_jpeg)
 
 log = logging.getLogger("clip_mini.serve")
 
@@ -80,9 +85,12 @@ class ServeConfig:
     encode_threads: int = 2                 # threads embedding text queries (onnxruntime releases the GIL)
     image_threads: int = 1                  # threads decoding and embedding image queries: one core at most
     image_queue: int = 4                    # image queries admitted at once (running or waiting); more get 503
+    explain_threads: int = 1                # threads drawing match maps (a forward and a backward pass each)
+    explain_queue: int = 32                 # match maps admitted at once (running or waiting); more get 503
+    explain_cache_bytes: int = 64 << 20     # match-map PNGs kept in memory (least recently used out first)
     allowed_hosts: list[str] = field(default_factory=lambda: ["*"])
     token: Optional[str] = None             # when set, every route but /healthz and /login needs it
-    preload_attention: bool = True          # load the attention model in the background at start
+    preload_attention: bool = True          # load the torch model (attention, match maps) in the background at start
 
 
 class ApiError(Exception):
@@ -127,7 +135,10 @@ class Service:
         self.batcher = SearchBatcher(lambda: self.watcher.current, self._search_generation)
         self._text_pool = ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="clip-mini-text")
         self.image_pool = BoundedPool(cfg.image_threads, cfg.image_queue, "image")
-        self.attention = AttentionRenderer(self.model_dir, cfg.device)
+        self.maps = MapRenderer(self.model_dir, cfg.device)
+        self.explain_pool = BoundedPool(cfg.explain_threads, cfg.explain_queue, "explain")
+        self.explain_cache = PictureCache(cfg.explain_cache_bytes)
+        self._explaining: dict[tuple, asyncio.Future] = {}   # maps being drawn, by cache key (event loop only)
         self._refused: set[str] = set()   # files already logged as not served
 
     # -- search ---------------------------------------------------------------------------------------------
@@ -196,7 +207,8 @@ class Service:
         # A fixed pool of encoder threads, not one thread per waiting request (anyio's pool has 40): more threads
         # than cores only contend for them and for the GIL.
         features = await asyncio.get_running_loop().run_in_executor(self._text_pool, self._encode_terms, terms)
-        head = {"query": q, **({"without": [str(t) for t in terms[1:]]} if len(terms) > 1 else {})}
+        head = {"query": q, **({"without": [str(t) for t in terms[1:]]} if len(terms) > 1 else {}),
+                "explainable": single_caption(terms) is not None}   # /api/explain draws maps for this query
         return await self._results(features, k, start, head, where, floor)
 
     async def search_image(self, upload: Upload, floor: Optional[float] = None) -> dict:
@@ -212,7 +224,7 @@ class Service:
             raise ApiError(503, str(e), {"Retry-After": str(e.retry_after)}) from None
         if fields:   # a JSON body's filter fields (which win over the query string's)
             where = self.where(**{**dict(upload.where), **fields})
-        return await self._results(features, k, start, {"query": None, "image": name,
+        return await self._results(features, k, start, {"query": None, "image": name, "explainable": False,
                                                         **({"without": [str(t) for t in upload.without]}
                                                            if upload.without else {})}, where, floor)
 
@@ -282,6 +294,10 @@ class Service:
 
     # -- pictures by row id ---------------------------------------------------------------------------------
     def row_path(self, row: int, gen: Optional[int]) -> str:
+        return self._row(row, gen)[1]
+
+    def _row(self, row: int, gen: Optional[int]) -> tuple[Generation, str]:
+        """The generation a row id belongs to (``gen``, or the current one) and its image file."""
         generation: Optional[Generation] = self.watcher.generation(gen)
         if generation is None:
             raise ApiError(410, f"index generation {gen} is not loaded (this server keeps the last two; now serving "
@@ -290,7 +306,7 @@ class Service:
         if not 0 <= row < n:
             raise ApiError(404, f"no image with id {row} in generation {generation.number} (ids are 0..{n - 1})")
         try:
-            return generation.image_file(row)
+            return generation, generation.image_file(row)
         except NotServed as e:   # the reason names server paths: the log gets it, the client does not
             if str(e) not in self._refused and len(self._refused) < 10_000:
                 self._refused.add(str(e))
@@ -305,12 +321,65 @@ class Service:
             if kind == "image":
                 data, media_type = original(path)
                 return Response(data, media_type=media_type, headers=_CACHE)
-            reason = self.attention.unavailable()
+            reason = self.maps.unavailable()
             if reason:
                 raise ApiError(409, reason)
-            return Response(self.attention.png(path), media_type="image/png", headers=_CACHE)
+            return Response(self.maps.png(path), media_type="image/png", headers=_CACHE)
         except ImageError as e:   # the file changed or vanished since it was indexed
             raise ApiError(404, f"image {row} cannot be read now: {e.reason}") from None
+
+    # -- "why this match" -----------------------------------------------------------------------------------
+    def explain_text(self, q: Optional[str]) -> str:
+        """The caption a match map is drawn for: ``q`` as one text term of weight 1, the queries ``clip-mini search
+        --explain`` explains (``single_caption``); empty, too long or weighted is a 400 before any work."""
+        if q is None or not q.strip():
+            raise ApiError(400, "the query q is empty: a match map shows where a caption matches an image; give "
+                                "one (q=a red car)")
+        caption = single_caption(self.query_terms(q))   # the search's length limit and term syntax
+        if caption is None:
+            raise ApiError(400, f"q={q[:40]!r} is weighted: a match map shows where one caption matches, as "
+                                "`clip-mini search --explain` does; give the words alone")
+        return caption
+
+    async def explain(self, row: int, q: Optional[str], gen: Optional[int]) -> Response:
+        """PNG of row ``row``'s image with the match map of ``q`` over it, from the cache when it was drawn before
+        (keyed by generation, row, caption, model and the file's version); concurrent requests for one picture
+        share one drawing. Drawn on the explain pool (503 when it is full)."""
+        text = self.explain_text(q)
+        generation, path = self._row(row, gen)
+        try:
+            version = file_version(path)
+        except OSError as e:
+            raise ApiError(404, f"image {row} cannot be read now: {e.strerror or e}") from None
+        key = (generation.number, row, text, self.engine.fingerprint, version)
+        png = self.explain_cache.get(key)
+        if png is None:
+            drawing = self._explaining.get(key)
+            if drawing is None:
+                drawing = self._explaining[key] = asyncio.ensure_future(self._draw_explained(key, row, path, text))
+                drawing.add_done_callback(lambda done: (self._explaining.pop(key, None),
+                                                        done.cancelled() or done.exception()))
+            png = await asyncio.shield(drawing)   # a client that leaves does not cancel the others' drawing
+        return Response(png, media_type="image/png", headers=_CACHE)
+
+    async def _draw_explained(self, key: tuple, row: int, path: str, text: str) -> bytes:
+        try:
+            png = await self.explain_pool.run(self._explained_png, row, path, text)
+        except Busy as e:
+            raise ApiError(503, str(e), {"Retry-After": str(e.retry_after)}) from None
+        self.explain_cache.put(key, png)
+        return png
+
+    def _explained_png(self, row: int, path: str, text: str) -> bytes:
+        reason = self.maps.explain_unavailable()   # loads the torch model on first use
+        if reason:
+            raise ApiError(501, f"this server cannot draw match maps: {reason}")
+        try:
+            return self.maps.explain_png(path, text)
+        except ImageError as e:   # the file changed or vanished since it was indexed
+            raise ApiError(404, f"image {row} cannot be read now: {e.reason}") from None
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
 
     def info(self) -> dict:
         """What is served and how, naming no absolute path (directories by name only)."""
@@ -321,17 +390,22 @@ class Service:
         return {"model": Path(self.model_dir).name, "model_fingerprint": self.engine.fingerprint,
                 "index": Path(self.cfg.index).resolve().name, "index_size": len(gen.index), "dim": gen.index.dim,
                 "generation": gen.number, "loaded_at": gen.loaded_at, "reload_error": reload_error,
-                "towers": {"text": "loaded", "image": "loaded", "attention": self.attention.state},
+                "towers": {"text": "loaded", "image": "loaded", "attention": self.maps.state},
                 "backend": {"query_encoder": self.engine.runtime(), "attention": "torch",
                             "search": "faiss" if uses_faiss(gen.index) else "exact",
                             "float32_rows_in_memory": gen.rows32 is not None,
                             "batches": self.batcher.batches, "batched_queries": self.batcher.queries,
                             "image_queries_in_flight": self.image_pool.admitted,
-                            "image_queries_refused": self.image_pool.refused},
+                            "image_queries_refused": self.image_pool.refused,
+                            "match_maps_in_flight": self.explain_pool.admitted,
+                            "match_maps_refused": self.explain_pool.refused,
+                            "match_map_cache": self.explain_cache.stats()},
                 "limits": {"max_k": self.cfg.max_k, "max_query_chars": self.cfg.max_query_chars,
                            "max_upload_bytes": self.cfg.max_upload_bytes,
                            "max_upload_pixels": self.cfg.max_upload_pixels,
-                           "image_threads": self.cfg.image_threads, "image_queue": self.cfg.image_queue},
+                           "image_threads": self.cfg.image_threads, "image_queue": self.cfg.image_queue,
+                           "explain_threads": self.cfg.explain_threads, "explain_queue": self.cfg.explain_queue,
+                           "explain_cache_bytes": self.cfg.explain_cache_bytes},
                 "auth": "token" if self.cfg.token else "none"}
 
 
@@ -360,7 +434,7 @@ def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
     async def lifespan(app):
         svc.watcher.start()
         if cfg.preload_attention:
-            svc.attention.load_in_background()
+            svc.maps.load_in_background()
         try:
             yield
         finally:
@@ -440,6 +514,10 @@ def create_app(cfg: ServeConfig, service: Optional[Service] = None) -> FastAPI:
     @get("/api/attention/{row}")
     def attention(row: int, gen: Optional[int] = None):
         return svc.picture("attention", row, gen)
+
+    @get("/api/explain/{row}")
+    async def explain(row: int, q: Optional[str] = None, gen: Optional[int] = None):
+        return await svc.explain(row, q, gen)
 
     return app
 

@@ -1,4 +1,5 @@
-"""What the server sends and receives as pictures: thumbnails, originals, uploaded queries, attention maps.
+"""What the server sends and receives as pictures: thumbnails, originals, uploaded queries, attention maps, match
+maps ("why this match").
 
 Every decode goes through ``clip_mini.data.images`` (a fixed list of decoders, a pixel limit checked before
 decoding, size-capped reads of regular files only, one translation of Pillow's errors), so an indexed file swapped
@@ -11,7 +12,8 @@ import functools
 import io
 import os
 import threading
-from typing import Optional
+from collections import OrderedDict
+from typing import Hashable, Optional
 
 import numpy as np
 from PIL import Image
@@ -35,8 +37,13 @@ UPLOAD_MAX_ASPECT = 20
 
 
 def _file_key(path: str) -> tuple:
+    return (path, *file_version(path))
+
+
+def file_version(path: str) -> tuple[int, int]:
+    """(size, mtime_ns) of a file: what tells a cached picture of it from a fresh one (raises OSError)."""
     st = os.stat(path)
-    return path, st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns
 
 
 def thumbnail_jpeg(path: str) -> bytes:
@@ -126,11 +133,15 @@ def reduced(im: Image.Image, min_size: int, keep_aspect: bool = True) -> Image.I
     return im.reduce((fx, fy))
 
 
-class AttentionRenderer:
-    """PNG overlays of the ViT's CLS attention (mean over heads and layers), from the torch model.
+class MapRenderer:
+    """PNG overlays drawn by the torch model: the ViT's CLS attention (mean over heads and layers) and a text query's
+    match map (``Embedder.explain``: where in the image the query matches).
 
     Loading it imports torch (seconds), which the search path never needs: the server starts it in the background
-    (``load_in_background``) and ``/api/info`` reports ``state``; a request that arrives first waits for it.
+    (``load_in_background``) and ``/api/info`` reports ``state``; a request that arrives first waits for it. The
+    model is loaded once, under a lock, and shared by every thread: a match map's backward pass takes the model's
+    own lock for its gradient (``clip_mini.model.explain``) and each pass's attention kernel holds for its own thread
+    (``model.vision``, ``model.text``), so maps drawn at once beside each other equal maps drawn alone.
     """
 
     def __init__(self, model_dir: str, device: str = "auto"):
@@ -165,6 +176,12 @@ class AttentionRenderer:
         backbone = self._model().model.visual.cfg.backbone
         return None if backbone == "vit" else f"attention maps need a ViT image tower; this model uses {backbone}"
 
+    def explain_unavailable(self) -> Optional[str]:
+        """Why this model has no match maps (``clip_mini.model.explain.unexplainable``), or None."""
+        from clip_mini.model.explain import unexplainable
+
+        return unexplainable(self._model().model)
+
     def png(self, path: str, size: int = 448) -> bytes:
         from clip_mini.model.attention import attention_map
         from clip_mini.pictures.draw import overlay_image
@@ -179,3 +196,54 @@ class AttentionRenderer:
         buf = io.BytesIO()
         overlay_image(image, heat, size=size).save(buf, format="PNG")
         return buf.getvalue()
+
+    def explain_png(self, path: str, text: str, longest: int = THUMB_PX) -> bytes:
+        """The image at ``path`` with the match map of ``text`` over it, drawn as ``clip-mini search --explain``
+        draws a hit (``pictures.draw.match_overlay``), at the size of its thumbnail (``thumbnail_jpeg``)."""
+        from clip_mini.pictures.draw import match_overlay
+
+        embedder = self._model()
+        image = load_image(path)   # once: the map is computed and drawn over the same pixels
+        heat = embedder.explain(image, text)
+        buf = io.BytesIO()
+        match_overlay(image, heat, longest).save(buf, format="PNG")
+        return buf.getvalue()
+
+
+class PictureCache:
+    """Rendered pictures by key, least recently used first out: at most ``max_bytes`` in all (the newest entry is
+    always kept; 0 keeps none) and ``max_entries``. Safe to share between threads; ``hits`` and ``misses`` count ``get``s."""
+
+    def __init__(self, max_bytes: int, max_entries: int = 4096):
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._entries: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: Hashable) -> Optional[bytes]:
+        with self._lock:
+            data = self._entries.get(key)
+            if data is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return data
+
+    def put(self, key: Hashable, data: bytes) -> None:
+        if self.max_bytes <= 0:   # caching off
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old)
+            self._entries[key] = data
+            self._bytes += len(data)
+            while len(self._entries) > 1 and (self._bytes > self.max_bytes or len(self._entries) > self.max_entries):
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= len(dropped)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._entries), "bytes": self._bytes, "hits": self.hits, "misses": self.misses}

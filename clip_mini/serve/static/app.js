@@ -5,6 +5,16 @@ const $ = (id) => document.getElementById(id);
 const form = $("search-form"), input = $("q"), kSelect = $("k"), fileInput = $("image-file");
 const withoutInput = $("without"), whereInput = $("where"), afterInput = $("after"), beforeInput = $("before");
 const statusLine = $("status"), grid = $("results"), viewer = $("viewer");
+const explainBox = $("explain"), explainLabel = $("explain-label");
+
+// "why this match": each result's thumbnail replaced by the same picture with the match map of the query over it
+// (/api/explain/ID?q=...: where in the image the words match). Like `clip-mini search --explain`, it needs a single
+// text query: no "without" words, no weight ("2:..."), no image; the search answer says so (`explainable`).
+const EXPLAIN_HINT = "Show where each result matches the words: warm colours where it matches";
+const EXPLAIN_NEEDS = "why this match needs a single text query (no “without” words, no weight like 2:…, no image)";
+let explainQuery = null;   // the text query the results can be explained for, or null
+let wantExplain = false;   // the box as the user left it: kept for the next text query while it is disabled
+let explainFailed = false; // one error message per result grid
 
 function setStatus(text, isError = false) {
   statusLine.textContent = text;
@@ -27,8 +37,10 @@ async function callApi(url, options) {
   return body;
 }
 
-function render(answer, what) {
+function render(answer, what, query = null) {
   grid.replaceChildren();
+  explainQuery = answer.explainable ? query : null;
+  explainFailed = false;
   for (const hit of answer.results) {
     const link = document.createElement("a");
     link.href = hit.image;
@@ -37,7 +49,12 @@ function render(answer, what) {
     link.dataset.path = hit.path;
     link.dataset.attention = hit.attention;
     const img = document.createElement("img");
-    img.src = hit.thumb;
+    img.dataset.thumb = hit.thumb;
+    if (explainQuery !== null) {
+      img.dataset.explain = `/api/explain/${hit.id}?` +
+        new URLSearchParams({ q: explainQuery, gen: answer.generation });
+    }
+    img.addEventListener("error", () => explainFailedFor(img));
     img.alt = hit.caption || hit.path.split("/").pop();
     img.loading = "lazy";
     const label = document.createElement("span");
@@ -54,6 +71,7 @@ function render(answer, what) {
   }
   grid.dataset.generation = answer.generation;
   grid.dataset.query = what;
+  showExplained();
   const n = answer.results.length;
   if (!n && answer.below) {   // every hit fell below the model's cut-off: say so instead of a wall of weak hits
     setStatus(`No good match for ${what}: the nearest photo scores ${answer.best_below.toFixed(3)}, below this ` +
@@ -77,6 +95,36 @@ function cutoffParams(params) {
   if (showWeak) params.append("cutoff", "none");
   showWeak = false;
 }
+
+// The thumbnails or, with the box ticked and a query it can explain, the match maps.
+function showExplained() {
+  explainBox.disabled = explainQuery === null;
+  explainBox.checked = wantExplain && !explainBox.disabled;
+  explainLabel.title = explainBox.disabled ? EXPLAIN_NEEDS : EXPLAIN_HINT;
+  explainBox.title = explainLabel.title;
+  for (const img of grid.querySelectorAll("img")) {
+    const explained = explainBox.checked && Boolean(img.dataset.explain);
+    const src = explained ? img.dataset.explain : img.dataset.thumb;
+    if (img.getAttribute("src") !== src) img.src = src;
+    img.classList.toggle("explained", explained);
+  }
+}
+
+// A match map the server refused (e.g. a model whose image tower has none): the thumbnail again, and why, once.
+async function explainFailedFor(img) {
+  if (!img.dataset.explain || img.getAttribute("src") !== img.dataset.explain) return;
+  img.classList.remove("explained");
+  img.src = img.dataset.thumb;
+  if (explainFailed) return;
+  explainFailed = true;
+  const reason = await callApi(img.dataset.explain).then(() => "it could not be loaded", (err) => err.message);
+  setStatus(`why this match: ${reason}`, true);
+}
+
+explainBox.addEventListener("change", () => {
+  wantExplain = explainBox.checked;
+  showExplained();
+});
 
 // The "without" box: one term the server subtracts from the query (the command line's `- "grass"`).
 function withoutTerm() {
@@ -115,7 +163,7 @@ async function searchText(query) {
   rerun = () => searchText(query);
   cutoffParams(params);
   try {
-    render(await callApi(`/api/search?${params}`), `“${query}”${withoutText()}${filterText()}`);
+    render(await callApi(`/api/search?${params}`), `“${query}”${withoutText()}${filterText()}`, query);
     $("query-image").hidden = true;
   } catch (err) {
     setStatus(err.message, true);
