@@ -103,7 +103,11 @@ class DataConfig:
     workers: Optional[int] = None   # DataLoader workers; None: 0 on a CPU, 4 on a GPU
     scale_min: float = 0.8        # RandomResizedCrop lower scale
     color_jitter: float = 0.1
-    hflip: bool = False           # off: captions say "left" and "right"
+    # horizontal flip, p = 0.5: false (captions say "left" and "right"); true: the image only; swap: the image with
+    # "left" and "right" swapped in its caption (data/mirror.py), true for any captions
+    hflip: Union[bool, Literal["swap"]] = False
+    # each training batch holds batch_size / 2 sources, each beside its mirrored self (flipped, left/right swapped)
+    mirror_pairs: bool = False
     shards: Optional[str] = None        # format webdataset: tar shards, e.g. data/wds/{000000..000099}.tar, pipe:, http
     val_shards: Optional[str] = None    # default: the last shard of `shards` is held out for validation
     samples: Optional[int] = None       # samples per epoch (a stream has no length)
@@ -259,6 +263,7 @@ def _check_ranges(cfg: Config) -> None:
                               "model.init_logit_scale: 2.302585, i.e. log 10)")
         if cfg.train.label_smoothing:
             raise ConfigError("train.label_smoothing applies to train.loss=clip, not siglip")
+    _check_mirroring(cfg)
     if cfg.train.captions_per_image > 1:
         if cfg.model.text.trainable or cfg.data.format == "webdataset":
             raise ConfigError("train.captions_per_image > 1 reads the captions' precomputed rows: it needs a locked "
@@ -271,6 +276,27 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 0, got {val!r}")
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
         raise ConfigError("train.init_from must name a model directory (or be null)")
+
+
+def _check_mirroring(cfg: Config) -> None:
+    """``data.hflip: swap`` and ``data.mirror_pairs`` rewrite a caption with its image, per training sample."""
+    d = cfg.data
+    if d.mirror_pairs and d.hflip is True:
+        raise ConfigError("data.mirror_pairs teaches left from right, and data.hflip=true flips images without their "
+                          "captions: use data.hflip=swap (or false) with it")
+    if d.mirror_pairs and cfg.train.batch_size % 2:
+        raise ConfigError(f"data.mirror_pairs fills each batch with pairs: train.batch_size must be even, got "
+                          f"{cfg.train.batch_size}")
+    if not (d.hflip == "swap" or d.mirror_pairs):
+        return
+    what = "data.mirror_pairs" if d.mirror_pairs else "data.hflip=swap"
+    if cfg.train.frozen_features:
+        raise ConfigError(f"{what} flips each image together with its caption; train.frozen_features stores "
+                          "image views apart from the captions: use train.frozen_features=0, or data.hflip=false "
+                          "and data.mirror_pairs=false")
+    if cfg.train.captions_per_image > 1:
+        raise ConfigError(f"{what} rewrites the one caption drawn per image; train.captions_per_image > 1 reads an "
+                          "image's other captions unrewritten: use one or the other")
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|secs|seconds?|m|min|mins|minutes?|h|hr|hrs|hours?)?\s*$",
@@ -338,6 +364,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(str(e))
+        got = f", got {value!r}"
+        wants = [e[len(key) + len(" must be "):-len(got)] for e in errors
+                 if e.startswith(f"{key} must be ") and e.endswith(got)]
+        if len(errors) > 1 and len(wants) == len(errors):   # every alternative named: "must be A, or B, got x"
+            raise ConfigError(f"{key} must be {', or '.join(wants)}{got}")
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
     if origin is Literal:
         if value not in typing.get_args(tp):

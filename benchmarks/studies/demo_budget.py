@@ -2,6 +2,7 @@
 
     python benchmarks/studies/demo_budget.py --variant base --seeds 0          # screen one lever, one seed
     python benchmarks/studies/demo_budget.py --variant small48 --seeds 0 1 2   # confirm over seeds
+    python benchmarks/studies/demo_budget.py --variants base,mirror,swap --seeds 0,1,2   # lists, comma-separated
     python benchmarks/studies/demo_budget.py --demo                            # time scripts/demo.sh from scratch
 
 Each run trains ``configs/tiny.yaml`` (its ``train.budget``) with the variant's overrides on the generated shapes
@@ -42,6 +43,10 @@ VARIANTS = {
     "batch32": ["train.batch_size=32", "train.warmup_steps=50"],
     "small48_batch32": ["model.vision.image_size=48", "train.batch_size=32", "train.warmup_steps=50"],
     "depth3": ["model.vision.depth=3"],
+    # label-consistent mirroring (clip_mini/data/mirror.py): every source beside its flipped self with "left" and
+    # "right" swapped (hard negatives that differ only in position), or the swapped flip alone, p = 0.5 per sample
+    "mirror": ["data.mirror_pairs=true", "data.hflip=swap"],
+    "swap": ["data.hflip=swap"],
 }
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -58,13 +63,13 @@ def measure(run: Path, index_dir: Path) -> dict:
             "search": query_hits(run / "best", ROOT / "data" / "shapes", index_dir)}
 
 
-def one_run(variant: str, seed: int, out: Path) -> dict:
+def one_run(variant: str, seed: int, out: Path, extra: list[str] = ()) -> dict:
     name = f"{variant}-seed{seed}"
     run = out / name
     if run.exists():
         shutil.rmtree(run)   # a budget run is timed from scratch, never resumed
     cmd = [sys.executable, "train.py", "--config", CONFIG, "--set", f"train.seed={seed}", "--set",
-           f"train.out_dir={run}"] + [a for o in VARIANTS[variant] for a in ("--set", o)]
+           f"train.out_dir={run}"] + [a for o in [*VARIANTS[variant], *extra] for a in ("--set", o)]
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{name}.log", "w") as log:
@@ -121,15 +126,31 @@ def _write(runs: list, demo: dict | None) -> dict:
     return report
 
 
+def _listed(values: list[str]) -> list[str]:
+    """``["base,mirror", "swap"]`` -> ``["base", "mirror", "swap"]``."""
+    return [v.strip() for arg in values for v in arg.split(",") if v.strip()]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", nargs="+", default=["base"], choices=list(VARIANTS))
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--variant", "--variants", dest="variant", nargs="+", default=["base"],
+                    help=f"variants, space- or comma-separated: {', '.join(VARIANTS)}")
+    ap.add_argument("--seeds", nargs="+", default=["0"], help="train.seed values, space- or comma-separated")
     ap.add_argument("--demo", action="store_true", help="time scripts/demo.sh end to end instead")
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo_budget"))
+    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override after the variant's (a trial, e.g. train.budget=20s): printed, not recorded")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--index", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.variant = _listed(args.variant)
+    try:
+        args.seeds = [int(s) for s in _listed(args.seeds)]
+    except ValueError:
+        ap.error(f"--seeds takes integers, got {' '.join(args.seeds)!r}")
+    unknown = [v for v in args.variant if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant {unknown[0]!r} (known: {', '.join(VARIANTS)})")
     if args.measure:
         print(json.dumps(measure(Path(args.measure), Path(args.index))), flush=True)
         return
@@ -140,12 +161,13 @@ def main(argv=None) -> None:
     runs = []
     for variant in args.variant:
         for seed in args.seeds:
-            runs.append(one_run(variant, seed, Path(args.out)))
+            runs.append(one_run(variant, seed, Path(args.out), args.extra))
             r = runs[-1]
             print(json.dumps({k: r[k] for k in ("variant", "seed", "precision", "steps", "train_wall_s")}
                              | {"val_t2i_r1": r["val"]["t2i_r1"], **{k: r["search"][k] for k in
                                 ("large_red_circle_on_left", "large_red_circle_anywhere")}}), flush=True)
-            _write(runs, None)
+            if not args.extra:   # a trial's overrides change what the study measures: never mixed into its results
+                _write(runs, None)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ _EXPORTS = {
     "cache": ["ImageCache", "make_cache", "default_cache_dir", "decode_resized"],
     "dataset": ["load_table", "load_splits", "CaptionDataset", "CaptionCollate", "OneCaptionPerImageSampler"],
     "image_dataset": ["ImageDataset", "collate_images"],
+    "mirror": ["swap_left_right"],
     "synthetic": ["generate"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

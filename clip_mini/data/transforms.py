@@ -142,12 +142,14 @@ def build_train_transform(pre: PreprocessConfig, cfg: DataConfig, seed: int | No
     mild random resized crop, light colour jitter, optional horizontal flip.
 
     Hue is never jittered: captions name colours ("a red circle", "a man in a blue shirt"), and a hue shift
-    would make them false. Flip is off by default because captions say "left" and "right".
+    would make them false. Flip is off by default because captions say "left" and "right"; ``hflip: swap`` flips
+    the image together with its caption, which a transform cannot see: the training dataset does it
+    (``clip_mini.data.mirror``), so this transform then has no flip of its own.
 
     Args:
         pre: output size, mean and std (the model's).
         cfg: ``scale_min`` (crop area lower bound), ``color_jitter`` (brightness/contrast/saturation
-            strength, 0 disables), ``hflip``.
+            strength, 0 disables), ``hflip`` (true: a flip of the image alone).
         seed: seed of the augmentation stream in the main process (default ``cfg.seed``); DataLoader workers
             reseed, see ``ImageTransform``.
     """
@@ -158,7 +160,7 @@ def build_train_transform(pre: PreprocessConfig, cfg: DataConfig, seed: int | No
     if cfg.color_jitter > 0:
         j = cfg.color_jitter
         steps.append(A.ColorJitter(brightness=j, contrast=j, saturation=j, hue=0.0, p=0.8))
-    if cfg.hflip:
+    if cfg.hflip is True:   # "swap" flips in the dataset, with the caption
         steps.append(A.HorizontalFlip(p=0.5))
     return ImageTransform(A.Compose(steps + _normalise(pre), seed=cfg.seed if seed is None else seed), s,
                           (base, pre.resize_mode))

@@ -25,6 +25,7 @@ import pandas as pd
 from torch.utils.data import IterableDataset, get_worker_info
 
 from clip_mini.data.images import ImageError
+from clip_mini.data.mirror import maybe_flip, mirror_item
 from clip_mini.data.readers import DataError
 from clip_mini.data.steps import step_batches
 from clip_mini.data.webdataset import Sample, SkipLog, decode_image, expand_shards, iter_shard, shard_identity_of
@@ -48,13 +49,20 @@ def stream_shards(shards: Sequence[str], seed: int, epoch: int, rank: int, world
 
 
 class ShardStream(IterableDataset):
-    """Samples ``(pixels, caption, image_id)`` of one epoch for one rank; see the module docstring."""
+    """Samples ``(pixels, caption, image_id)`` of one epoch for one rank; see the module docstring.
+
+    ``micro``: stream samples per micro-batch. ``hflip_swap``: a sample is mirrored, image and caption, when the flip
+    draw of its key says so; ``pairs``: each sample is followed by its mirrored copy (``clip_mini.data.mirror``), so a
+    micro-batch holds ``2 * micro`` items.
+    """
 
     def __init__(self, shards: Sequence[str], augment, seed: int, epoch: int, rank: int, world: int,
-                 n_streams: int, plan: list[tuple[int, int]], first: int, micro: int, shuffle_buffer: int):
+                 n_streams: int, plan: list[tuple[int, int]], first: int, micro: int, shuffle_buffer: int,
+                 hflip_swap: bool = False, pairs: bool = False):
         self.shards, self.augment, self.seed, self.epoch = list(shards), augment, seed, epoch
         self.rank, self.world, self.n_streams, self.plan = rank, world, n_streams, plan
         self.first, self.micro, self.buffer = first, micro, max(1, shuffle_buffer)
+        self.hflip_swap, self.pairs = hflip_swap, pairs
 
     def __iter__(self):
         info = get_worker_info()
@@ -79,7 +87,12 @@ class ShardStream(IterableDataset):
                 continue   # the next sample takes its place
             self.augment.key = key
             want -= 1
-            yield self.augment(img), _caption(s, key), _sample_id(s)
+            item = (self.augment(img), _caption(s, key), _sample_id(s))
+            if self.hflip_swap:
+                item = maybe_flip(item, key)
+            yield item
+            if self.pairs:
+                yield mirror_item(item)
 
 
 def _cycle(shards: list[str], log: SkipLog) -> Iterator[Sample]:
@@ -128,8 +141,10 @@ class WdsTrainInputs:
     """The WebDataset counterpart of ``train.inputs.TrainInputs`` (same ``loader`` and ``steps_per_epoch``)."""
 
     def __init__(self, shards: list[str], augment, collate, micro_batch: int, accum_freq: int, workers: int,
-                 steps_per_epoch: int, seed: int, rank: int, world: int, shuffle_buffer: int):
+                 steps_per_epoch: int, seed: int, rank: int, world: int, shuffle_buffer: int,
+                 hflip_swap: bool = False, pairs: bool = False):
         self.shards, self.augment, self.collate = shards, augment, collate
+        self.hflip_swap, self.pairs = hflip_swap, pairs
         self.micro_batch, self.accum_freq, self.workers = micro_batch, accum_freq, workers
         self.steps_per_epoch, self.seed, self.rank, self.world = steps_per_epoch, seed, rank, world
         self.shuffle_buffer = shuffle_buffer
@@ -144,9 +159,10 @@ class WdsTrainInputs:
         first = start_step * self.accum_freq
         if first >= n_micro:
             return
-        plan = plan_streams(n_micro, first, self.n_streams, self.micro_batch)
+        sources = self.micro_batch // 2 if self.pairs else self.micro_batch   # stream samples per micro-batch
+        plan = plan_streams(n_micro, first, self.n_streams, sources)
         ds = ShardStream(self.shards, self.augment, self.seed, epoch, self.rank, self.world, self.n_streams, plan,
-                         first % self.n_streams, self.micro_batch, self.shuffle_buffer)
+                         first % self.n_streams, sources, self.shuffle_buffer, self.hflip_swap, self.pairs)
         yield from step_batches(ds, self.collate, self.workers, epoch, self.accum_freq, batch_size=self.micro_batch)
 
 

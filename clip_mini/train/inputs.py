@@ -3,8 +3,8 @@
 Exact resume needs every batch to be reproducible from where the run stopped. The sampler's order already
 depends only on ``(seed, epoch)``; the random crop and colour jitter are made so too by reseeding the
 augmentation for every sample from ``(seed, epoch, row)``, whatever process (main or DataLoader worker) draws
-it and however many samples that process drew before. A resumed epoch then simply starts its batch list at the
-step it stopped at.
+it and however many samples that process drew before (the ``data.hflip: swap`` draw too, from the same key). A
+resumed epoch then simply starts its batch list at the step it stopped at.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from clip_mini.config import Config, PreprocessConfig
 from clip_mini.data.dataset import load_splits as load_table_splits
+from clip_mini.data.mirror import maybe_flip, mirror_item
 from clip_mini.data.steps import PersistentSteps, step_batches
 from clip_mini.runtime.devices import loader_workers
 
@@ -63,19 +64,53 @@ class SeededAugment:
 
 
 class EpochDataset(Dataset):
-    """A ``CaptionDataset`` whose augmentation for row i in epoch e is seeded by ``(seed, e, i)``."""
+    """A ``CaptionDataset`` whose augmentation for row i in epoch e is seeded by ``(seed, e, i)``.
 
-    def __init__(self, dataset, augment: SeededAugment, seed: int):
+    ``hflip_swap`` (``data.hflip: swap``): row i is mirrored, image and caption (``clip_mini.data.mirror``), when the
+    flip draw of its key says so. ``mirror_pairs``: indices ``n + i`` (n rows) are row i's mirrored copy, the same
+    augmented pixels flipped, with its left/right words swapped and ``mirror.mirror_id``'s id; a batch holding both
+    computes the row once (``__getitems__``).
+    """
+
+    def __init__(self, dataset, augment: SeededAugment, seed: int, hflip_swap: bool = False,
+                 mirror_pairs: bool = False):
         self.dataset, self.augment, self.seed, self.epoch = dataset, augment, seed, 0
+        self.hflip_swap, self.mirror_pairs = hflip_swap, mirror_pairs
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset) * (2 if self.mirror_pairs else 1)
 
-    def __getitem__(self, i):
+    def _where(self, i) -> tuple[int, int, bool]:
+        """(epoch, row, mirrored) of an index: ``i`` or ``(epoch, i)``."""
         # (epoch, row) from a persistent worker (data.steps.PersistentSteps), whose copy of .epoch is stale
         epoch, i = i if isinstance(i, tuple) else (self.epoch, i)
-        self.augment.key = (self.seed, epoch, int(i))
-        return self.dataset[i]
+        n = len(self.dataset)
+        if not 0 <= int(i) < len(self):
+            raise IndexError(f"index {i} out of range for {len(self)} rows")
+        return int(epoch), int(i) % n, int(i) >= n
+
+    def _row(self, epoch: int, row: int):
+        key = (self.seed, epoch, row)
+        self.augment.key = key
+        item = self.dataset[row]
+        return maybe_flip(item, key) if self.hflip_swap else item
+
+    def __getitem__(self, i):
+        epoch, row, mirrored = self._where(i)
+        item = self._row(epoch, row)
+        return mirror_item(item) if mirrored else item
+
+    def __getitems__(self, indices) -> list:
+        """A batch (the DataLoader fetcher calls this): each row read and augmented once, its mirror flipped from it."""
+        done: dict[tuple[int, int], tuple] = {}
+        out = []
+        for i in indices:
+            epoch, row, mirrored = self._where(i)
+            if (epoch, row) not in done:
+                done[(epoch, row)] = self._row(epoch, row)
+            item = done[(epoch, row)]
+            out.append(mirror_item(item) if mirrored else item)
+        return out
 
 
 @dataclass
@@ -87,20 +122,26 @@ class TrainInputs:
     accum_freq: int
     workers: int
     steps_per_epoch: int
+    pairs: bool = False        # data.mirror_pairs: each micro-batch is micro_batch / 2 rows, each beside its mirror
     _persistent: Optional[PersistentSteps] = field(default=None, repr=False)
 
     def loader(self, epoch: int, start_step: int = 0) -> Iterator[list[dict]]:
         """Yield the steps of ``epoch`` from ``start_step`` on; each step is a list of ``accum_freq`` micro-batches.
 
         Incomplete last steps are dropped, so every step has the same global batch (a smaller batch would mean
-        fewer negatives and a differently scaled loss).
+        fewer negatives and a differently scaled loss). With ``pairs`` a micro-batch takes ``micro_batch / 2`` of the
+        sampler's rows, each followed by its mirrored copy (dataset index ``n + row``).
         """
         self.sampler.set_epoch(epoch)
         self.dataset.epoch = epoch
         rows = self.sampler.indices()
-        per_step = self.micro_batch * self.accum_freq
-        micro = [rows[s:s + self.micro_batch].tolist()
-                 for s in range(start_step * per_step, self.steps_per_epoch * per_step, self.micro_batch)]
+        take = self.micro_batch // 2 if self.pairs else self.micro_batch   # sampler rows per micro-batch
+        per_step = take * self.accum_freq
+        micro = [rows[s:s + take].tolist()
+                 for s in range(start_step * per_step, self.steps_per_epoch * per_step, take)]
+        if self.pairs:
+            n = len(self.dataset.dataset)
+            micro = [[j for r in b for j in (r, n + r)] for b in micro]
         if not micro:
             return
         if not self.workers or not isinstance(self.dataset, EpochDataset):
@@ -120,18 +161,20 @@ def build_train_inputs(cfg: Config, df: pd.DataFrame, pre: PreprocessConfig, tok
     from clip_mini.data import CaptionCollate, CaptionDataset, OneCaptionPerImageSampler, build_train_transform
 
     augment = SeededAugment(build_train_transform(pre, cfg.data))
-    t = cfg.train
+    t, d = cfg.train, cfg.data
+    swap, pairs = d.hflip == "swap", bool(d.mirror_pairs)
+    sources = t.batch_size // 2 if pairs else t.batch_size   # sampled rows per micro-batch
     if cfg.data.format == "webdataset":   # streamed shards: the epoch is data.samples, split over the ranks
         from clip_mini.data.wds_stream import WdsTrainInputs, split_shards
 
-        steps = cfg.data.samples // (world_size * t.batch_size * t.accum_freq)
+        steps = cfg.data.samples // (world_size * sources * t.accum_freq)   # data.samples: sources, mirrors aside
         return WdsTrainInputs(split_shards(cfg.data)[0], augment, CaptionCollate(tokenizer, max_length),
                               t.batch_size, t.accum_freq, loader_workers(cfg.data.workers), steps, t.seed, rank,
-                              world_size, cfg.data.shuffle_buffer)
-    dataset = EpochDataset(CaptionDataset(df, augment, cache=cache), augment, cfg.train.seed)
+                              world_size, cfg.data.shuffle_buffer, hflip_swap=swap, pairs=pairs)
+    dataset = EpochDataset(CaptionDataset(df, augment, cache=cache), augment, cfg.train.seed, hflip_swap=swap,
+                           mirror_pairs=pairs)
     sampler = OneCaptionPerImageSampler(df["image_id"].tolist(), seed=cfg.train.seed, rank=rank,
                                         world_size=world_size)
-    t = cfg.train
-    steps = len(sampler) // (t.batch_size * t.accum_freq)
+    steps = len(sampler) // (sources * t.accum_freq)   # an epoch: every image once as a source (and its mirror)
     return TrainInputs(dataset, sampler, CaptionCollate(tokenizer, max_length), t.batch_size, t.accum_freq,
-                       loader_workers(cfg.data.workers), steps)   # None: 4 with a GPU, else 0
+                       loader_workers(cfg.data.workers), steps, pairs)   # workers None: 4 with a GPU, else 0

@@ -102,7 +102,9 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
         log = _restore(ckpt, ckpt_path, state, info, clock, run)
     if main:
         print(f"train: {len(splits['train'])} captions / {splits['train']['image_id'].nunique()} images, "
-              f"{spe} steps/epoch of {global_batch} pairs, {pace.total} steps; "
+              f"{spe} steps/epoch of {global_batch} pairs"
+              f"{f' ({global_batch // 2} sources beside their mirrors)' if cfg.data.mirror_pairs else ''}, "
+              f"{pace.total} steps; "
               f"frozen: {', '.join(frozen) or 'none'}; {info.world_size} process(es) on {device}")
         if not ckpt:   # the untrained model's numbers: the baseline every later evaluation is read against
             evaluate(0)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from clip_mini.config import Config
+from clip_mini.data.mirror import swap_left_right, swaps_captions
 from clip_mini.train import text_cache
 from clip_mini.train.budget import feature_pass_check, fill_cache
 from clip_mini.train.build import TrainError
@@ -68,8 +69,10 @@ def prepare(cfg: Config, model, splits: dict[str, pd.DataFrame], run: Path, info
     if text_cache.wanted(cfg):   # a locked text tower: its rows once per distinct caption, not every step
         with clock("text_pass"):
             captions = splits["train"]["caption"].tolist()
+            # data.hflip: swap / data.mirror_pairs: the mirrored captions need rows too
+            rows_for = captions + [swap_left_right(c) for c in captions] if swaps_captions(cfg.data) else captions
             index, rows = text_cache.load_or_compute_rows(
-                model, captions, t.eval_batch_size * 4, device, t.precision,
+                model, rows_for, t.eval_batch_size * 4, device, t.precision,
                 run / "frozen_features" / "text-tower.safetensors", progress=main, write=main)
             groups = (text_cache.caption_groups(captions, splits["train"]["image_id"].tolist(), index)
                       if t.captions_per_image > 1 else None)
@@ -77,6 +80,8 @@ def prepare(cfg: Config, model, splits: dict[str, pd.DataFrame], run: Path, info
     steps_per_epoch = all_min(inputs.steps_per_epoch, device)
     if steps_per_epoch == 0:
         global_batch = t.batch_size * t.accum_freq * info.world_size
-        raise TrainError(f"the train split has {splits['train']['image_id'].nunique()} images, fewer than one "
-                         f"batch of {global_batch}; lower train.batch_size or train.accum_freq")
+        need = (f"the {global_batch // 2} sources of one batch of {global_batch} (data.mirror_pairs)"
+                if cfg.data.mirror_pairs else f"one batch of {global_batch}")
+        raise TrainError(f"the train split has {splits['train']['image_id'].nunique()} images, fewer than {need}; "
+                         "lower train.batch_size or train.accum_freq")
     return Prepared(inputs, steps_per_epoch, cache, frozen_feats)
