@@ -32,6 +32,6 @@ for q in "a large red circle on the left" "a blue star above a green square" "a 
   echo; echo "== $q"
   "$BIN/clip-mini" search --index indexes/shapes "$q" -k 5
 done
-"$BIN/clip-mini" search --index indexes/shapes "a large red circle on the left" -k 16 --grid hits.png > /dev/null
+"$BIN/clip-mini" search --index indexes/shapes "a large red circle on the left" -k 16 --cutoff none --grid hits.png > /dev/null
 "$BIN/clip-mini" attention --model runs/tiny/best data/shapes/images/train_00000.png --out attn.png
 echo; echo "wrote hits.png (top 16 for 'a large red circle on the left') and attn.png; model in runs/tiny/best"
