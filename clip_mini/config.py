@@ -38,6 +38,9 @@ class VisionConfig:
     init_values: Optional[float] = None   # ViT LayerScale initial value; None: no LayerScale (DINOv2 needs it)
     # "cls": CLS state (D); "cls_mean": [CLS ; patch mean] (2D); "cls4_mean": last 4 blocks' CLS + patch mean (5D)
     pooling: Literal["cls", "cls_mean", "cls4_mean"] = "cls"
+    # ViT from scratch: the learned positions start random (timm's) or as 2D sin-cos (MAE's), which say where each
+    # patch lies from the first step
+    pos_init: Literal["random", "sincos"] = "random"
     # ViT: train only the last k blocks (train.lr_image), lock the rest; 0: all locked; None: follow `trainable`
     trainable_blocks: Optional[int] = None
     # "dinov2-small-imgfocus": a second, locked tower on the same pixels, its features joined to this one's

@@ -378,6 +378,18 @@ SEARCH = [
      "{sizes.0.exact_auto_torch_loaded.q64.p50_ms:.0f} ms",
      "python benchmarks/speed/bench_search.py --sizes 1000000 --cold-rows 0 --no-ann "
      "--out benchmarks/results/speed/search_torch_free.json"),
+    ("1M float16 rows, 1 query, torch-free, end to end (text encoded): 1 term / 3 terms (`a + b - c`)",
+     "speed/search_filters.json", "{one_term.p50_ms:.1f} / {three_terms.p50_ms:.1f} ms (the scan alone "
+     "{search_only.p50_ms:.1f} ms, kernel {auto_kernel_unfiltered})",
+     "python benchmarks/speed/bench_search_filters.py --rows 1000000 --dim 256 --repeats 7"),
+    ("same, filtered to 1% of the rows: by date / folder / glob; rows found and cached / found again",
+     "speed/search_filters.json", "{filtered.date_1pct.warm.p50_ms:.1f} / {filtered.under_1pct.warm.p50_ms:.1f} / "
+     "{filtered.glob_1pct.warm.p50_ms:.1f} ms; {filtered.date_1pct.cold.p50_ms:.1f} / "
+     "{filtered.under_1pct.cold.p50_ms:.1f} / {filtered.glob_1pct.cold.p50_ms:.1f} ms",
+     "python benchmarks/speed/bench_search_filters.py --rows 1000000 --dim 256 --repeats 7"),
+    ("same, filtered to 10%: by date / glob (cached rows)", "speed/search_filters.json",
+     "{filtered.date_10pct.warm.p50_ms:.1f} / {filtered.glob_10pct.warm.p50_ms:.1f} ms",
+     "python benchmarks/speed/bench_search_filters.py --rows 1000000 --dim 256 --repeats 7"),
     ("cold `clip-mini search`, generated 1M-row index, everything included (target 0.5 s)",
      "speed/search_cold_cli.json", "{cold_cli.text_query.p50_s:.3f} s (bare `import numpy` "
      "{cold_cli.python_import_numpy.p50_s:.3f} s; load average {machine.load_average_1min_at_start:.1f})",

