@@ -93,7 +93,7 @@ def env(tmp_path_factory):
         _train(model)
         delta = make_delta(model.state_dict(), base, rank=8)
         assert any(k.endswith("@a") for k in delta) and any(k.endswith("@rows") for k in delta)
-        assert "image_head.proj.weight" in delta   # the heads are stored whole
+        assert "image_head.proj.weight@whole" in delta   # the heads are stored whole
         card = {"summary": "a fake photo model for the tests", "trained_on": "nothing", "steps": 0,
                 "data_licence": "none"}
         registry.write_package(root / NAME, model, delta, card, extra={"trained": {"eval_batch_size": 32}})
