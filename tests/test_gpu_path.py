@@ -145,8 +145,10 @@ def test_index_shards_builds_its_embedder_on_the_asked_device(monkeypatch, tmp_p
     monkeypatch.setattr(clip_mini.embed, "load", fake_load)
     monkeypatch.setattr(wds, "expand_shards", lambda pattern: ["a.tar"])
     monkeypatch.setattr(wds_source, "index_shards", fake_index)
+    model = tmp_path / "m"   # an existing folder: a bare name would be looked up among the built-in models
+    model.mkdir()
     with pytest.raises(Stop):
-        main(["index", "--model", "m", "--shards", "a.tar", "--out", str(tmp_path / "i"), "--device", "cpu",
+        main(["index", "--model", str(model), "--shards", "a.tar", "--out", str(tmp_path / "i"), "--device", "cpu",
               "--quiet"])
     # was: device auto whatever --device said
     assert seen == {"device": "cpu", "precision": devices.resolve_precision("auto", torch.device("cpu"))}
@@ -156,10 +158,10 @@ def test_index_shards_builds_its_embedder_on_the_asked_device(monkeypatch, tmp_p
     monkeypatch.setattr(ray_index, "ray_embedder", lambda *a, **kw: seen.update(ray=(a, kw)) or "embed")
     seen.clear()
     with pytest.raises(Stop):
-        main(["index", "--model", "m", "--shards", "a.tar", "--ray", "--out", str(tmp_path / "i"), "--device",
+        main(["index", "--model", str(model), "--shards", "a.tar", "--ray", "--out", str(tmp_path / "i"), "--device",
               "cuda:1", "--quiet"])
     assert seen["device"] == "cpu" and seen["precision"] == "auto"
-    assert seen["ray"] == (("m", None, 2, 64, "auto", False), {"device": "cuda:1"})
+    assert seen["ray"] == ((str(model), None, 2, 64, "auto", False), {"device": "cuda:1"})
 
 
 class _FakeRay:
