@@ -544,6 +544,9 @@ def document() -> Doc:
         features_table(doc, name)
         doc.add("")
 
+    if (RESULTS_DIR / CLASSIFY).is_file():   # issue 52: rendered once the study has run
+        classify_study(doc)
+
     doc.add("## From scratch vs open_clip\n")
     doc.add("The ViT and text tower trained from scratch (or with MiniLM-L6 locked) against open_clip training its "
             "own tiny CLIP, same split, budget and images (`benchmarks/quality/openclip_peer.py`). The ratio is "
@@ -581,6 +584,53 @@ def document() -> Doc:
     for item in DROPPED:
         doc.add(f"- {item}")
     return doc
+
+
+CLASSIFY = "studies/classify_flickr8k.json"
+
+
+def classify_study(doc: Doc) -> None:
+    """Zero-shot sorting with ``clip-mini classify`` (``studies/classify_flickr8k.json``): Flickr8k val photos
+    labelled from their captions, and the shapes demo's colours and shapes; single prompt vs ensemble."""
+    f = CLASSIFY
+    data = load(f)
+    fl = data["flickr8k"]
+    doc.add("### Zero-shot sorting (`clip-mini classify`)\n")
+    text, src = fill(f, "`clip-mini classify` scored through its own code (`{implementation}`). Flickr8k has no "
+                        "classes, so they are read off the captions of the {flickr8k.val_photos} val photos: a photo "
+                        "is class c when at least {flickr8k.rule.min_votes} of its captions name one of c's words and "
+                        "no other class gets that many (the words: `benchmarks/studies/classify_flickr8k.py`). "
+                        "{flickr8k.labelled} photos get one class; {flickr8k.unlabelled} get none and "
+                        "{flickr8k.ambiguous} get two or more and are left out. No train or test photo is used. "
+                        "\"single\" is the command's default prompt, \"ensemble\" averages several `--template`s "
+                        "(listed in the JSON). Mean class recall weighs every class alike.\n")
+    doc.add(text, src)
+    t = Table(doc, ["data, classes", "prompts", "images", "accuracy", "mean class recall", "model", "CPU", "JSON",
+                    "rerun"])
+    model = f"`{data['model']['name']}`"
+    for i, r in enumerate(fl["rows"]):
+        t.row([f"Flickr8k val, {len(fl['labels'])} caption classes", r["prompts"],
+               fill(f, "{flickr8k.rows.%d.images}" % i), fill(f, "{flickr8k.rows.%d.accuracy:.3f}" % i),
+               fill(f, "{flickr8k.rows.%d.mean_class_recall:.3f}" % i), model, cpu_kind(f), f"`{f}`",
+               f"`{data['command']}`"])
+    for j, s in enumerate(data["shapes"].get("sets", [])):
+        for i, r in enumerate(s["rows"]):
+            t.row([f"shapes {s['set']}, {s['attribute']} ({len(s['labels'])})", r["prompts"],
+                   fill(f, "{shapes.sets.%d.rows.%d.images}" % (j, i)),
+                   fill(f, "{shapes.sets.%d.rows.%d.accuracy:.3f}" % (j, i)),
+                   fill(f, "{shapes.sets.%d.rows.%d.mean_class_recall:.3f}" % (j, i)),
+                   f"`{data['shapes']['model']['name']}`", cpu_kind(f), f"`{f}`", f"`{data['command']}`"])
+    doc.add("")
+    if "skipped" in data["shapes"]:
+        doc.add(f"The shapes demo was not scored in this run ({data['shapes']['skipped']}).\n")
+    doc.add("Flickr8k recall per class (the confusion matrices are the PNGs beside the JSON):\n")
+    rows = {r["prompts"]: i for i, r in enumerate(fl["rows"])}
+    t = Table(doc, ["class", "photos", *(f"recall, {p}" for p in rows)])
+    for c in fl["labels"]:
+        t.row([f"{c}", fill(f, "{flickr8k.scored.[%s]}" % c),
+               *(fill(f, "{flickr8k.rows.%d.recall.[%s]:.3f}" % (i, c)) if fl["rows"][i]["recall"][c] is not None
+                 else "-" for i in rows.values())])
+    doc.add("")
 
 
 ISA_PATHS = {"native": "native", "no-amx": "no AMX (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`)"}
