@@ -15,7 +15,7 @@ for ViT-S/14 at 168 px), so they are memory-mapped from their files rather than 
 pages in only its own view. Evaluation runs the current last blocks on the stored validation tokens.
 
 Each view is stored in the run directory (``frozen_features/{split}-view{v}.safetensors``, written atomically)
-with a key over everything it depends on (the image files' paths, sizes and mtimes, the tower config and weights,
+with a key over everything it depends on (the image files' paths and bytes, the tower config and weights,
 the precision, the preprocessing and image cache geometry, and for augmented views the augmentation settings and
 the seed; with a block prefix, ``k`` and the weights of everything that does not train, never those of the
 last ``k`` blocks, which a resumed run has changed), so a resumed run reuses them, a
