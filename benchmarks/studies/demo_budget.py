@@ -49,6 +49,10 @@ VARIANTS = {
     "swap": ["data.hflip=swap"],
     # the ViT's learned positions started as MAE's 2D sin-cos table instead of timm's random ones
     "sincos": ["model.vision.pos_init=sincos"],
+    # on top of sin-cos positions: half the warm-up (more of the 3 minutes at the peak rate), or the text tower at
+    # the heads' rate
+    "sincos_warm50": ["model.vision.pos_init=sincos", "train.warmup_steps=50"],
+    "sincos_lrtext2": ["model.vision.pos_init=sincos", "train.lr_text=2.0e-3"],
 }
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
