@@ -446,7 +446,7 @@ SERVING = [
 # The README's summary: (question, JSON, figure template, RESULTS.md anchor). At most 10 rows, lines <= 120.
 V = "quality/quality_flickr8k_{}.json"
 SUMMARY = [
-    ("built-in `photos` model, no training: Flickr8k test R@5 t2i / i2t", "quality/photo_model.json",
+    ("built-in `photos` model: Flickr8k test R@5 t2i / i2t", "quality/photo_model.json",
      "{test.shipped.t2i_r5:.3f} / {test.shipped.i2t_r5:.3f}", "qu"),
     ("Flickr8k test R@5 t2i / i2t, `configs/flickr8k-vit.yaml`, 30 min", V.format("vit_amx"),
      "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
