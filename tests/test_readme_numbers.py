@@ -121,7 +121,7 @@ def test_the_readme_shape():
     rows = [ln for ln in summary.splitlines() if ln.startswith("| ") and not ln.startswith("| question")]
     assert 0 < len(rows) <= 10
     for row in rows:
-        assert re.search(r"\| (AMX|no-AMX) \w+ \|", row), row          # every figure names its CPU kind
+        assert re.search(r"\| (AMX|no-AMX|no-bf16) \w+( \(AVX2\))? \|", row), row          # every figure names its CPU kind
         assert "benchmarks/RESULTS.md#" in summary and re.search(r"\]\[\w+\] \|$", row), row
 
 

@@ -1,12 +1,14 @@
 """Precomputed locked-tower features (train.frozen_features): the stored rows are the tower's outputs, views are
 reproducible and rotate by epoch, the store is reused or recomputed as its inputs say, and a run trained on
 them learns and resumes bit-exactly."""
+import io
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from clip_mini.config import ConfigError, load_config
 from clip_mini.data import build_eval_transform, load_image
@@ -86,11 +88,21 @@ def test_store_is_reused_and_recomputed_when_an_image_changes(shapes, tmp_path, 
     three = frozen_io.load_or_compute(model, cfg, splits["val"], "val", 3, run, None, device, augment)
     assert calls == [1, 2] and three[0].shape[0] == 3 and torch.equal(three[0][0], first[0][0])
     calls.clear()
-    # an edited image file (new mtime) invalidates the store
+    # the same bytes with a new mtime (a fresh checkout, restored files) keep the store; edited bytes invalidate it
     path = frozen_io.split_paths(splits["val"])[0]
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     frozen_io.load_or_compute(model, cfg, splits["val"], "val", 1, run, None, device)
+    assert calls == []
+    original = Path(path).read_bytes()
+    try:
+        with Image.open(path) as im:
+            edited = im.convert("RGB")
+        edited.putpixel((0, 0), tuple(255 - c for c in edited.getpixel((0, 0))))
+        edited.save(path, format=Image.open(io.BytesIO(original)).format)
+        frozen_io.load_or_compute(model, cfg, splits["val"], "val", 1, run, None, device)
+    finally:
+        Path(path).write_bytes(original)
     assert calls == [0]
     # other tower weights invalidate it too; a damaged store is recomputed, not trusted
     with torch.no_grad():

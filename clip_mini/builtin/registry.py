@@ -161,18 +161,9 @@ def _package_dir(name: str) -> Path:
 
 
 def _verify(folder: Path, required) -> dict:
-    """``read_manifest(folder, verify=True)``, with each file's sha256 remembered against its identity
-    (``fileio.checksums.known_sha256``): the 100+ MB weights of a built model are hashed once, not at every use."""
-    manifest = read_manifest(folder, verify=False, required=required)
-    if _fingerprint(manifest["files"]) != manifest["fingerprint"]:
-        raise ModelDirError(f"{folder / 'manifest.json'}: fingerprint does not match its checksums")
-    for file, digest in manifest["files"].items():
-        path = folder / file
-        if not path.is_file():
-            raise ModelDirError(f"model directory is missing {file}: {path}")
-        if known_sha256(path) != digest:
-            raise ModelDirError(f"{path} is corrupt: its checksum does not match manifest.json")
-    return manifest
+    """``read_manifest`` with each file's sha256 remembered against its identity: the 100+ MB weights of a built
+    model are hashed once, not at every use."""
+    return read_manifest(folder, verify=True, required=required, hasher=known_sha256)
 
 
 def _usable(target: Path, name: str, fp: str) -> bool:
@@ -235,19 +226,10 @@ def _materialize_into(name: str, package: Path, out: Path, fp: str) -> None:
     from safetensors.torch import load_file
 
     from clip_mini.builtin.delta import apply_delta
-    from clip_mini.config import ConfigError, ModelConfig, PreprocessConfig, from_dict
-    from clip_mini.model.clip import CLIPModel
+    from clip_mini.model.clip import CLIPModel, read_model_config, read_preprocess
 
-    config = read_json(package / "config.json")
-    try:
-        cfg = from_dict(ModelConfig, config["model"], "model.")
-        vocab_size, pad_id = int(config["vocab_size"]), int(config["pad_token_id"])
-    except (KeyError, TypeError, ValueError, ConfigError) as e:
-        raise ModelDirError(f"{package / 'config.json'}: bad model config: {e}") from None
-    try:
-        preprocess = from_dict(PreprocessConfig, read_json(package / "preprocess.json"), "preprocess.")
-    except ConfigError as e:
-        raise ModelDirError(f"{package / 'preprocess.json'}: {e}") from None
+    cfg, vocab_size, pad_id = read_model_config(package)
+    preprocess = read_preprocess(package)
     try:
         delta = load_file(str(package / "delta.safetensors"))
     except (SafetensorError, OSError) as e:
@@ -278,6 +260,6 @@ def _materialize_into(name: str, package: Path, out: Path, fp: str) -> None:
         raise ModelDirError(f"{package / 'delta.safetensors'} does not fit the model of {package / 'config.json'}: "
                             f"{e}") from None
     model.preprocess = preprocess
-    extra = {k: v for k, v in config.items() if k not in _OWN_KEYS}
+    extra = {k: v for k, v in read_json(package / "config.json").items() if k not in _OWN_KEYS}
     model.eval().save_pretrained(out, extra={**extra, "builtin": name, "builtin_fingerprint": fp})
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from clip_mini.errors import ModelDirError
 from clip_mini.fileio.atomic import sha256_file
@@ -31,9 +31,11 @@ def read_json(path: Path) -> Any:
         raise ModelDirError(f"{path}: not valid JSON ({e})") from None
 
 
-def read_manifest(model_dir: str | Path, verify: bool = True, required: Sequence[str] = MODEL_FILES) -> dict:
+def read_manifest(model_dir: str | Path, verify: bool = True, required: Sequence[str] = MODEL_FILES,
+                  hasher: Callable[[Path], str] = sha256_file) -> dict:
     """Read ``manifest.json``; every ``required`` file must be listed and present, and with ``verify`` the
-    fingerprint must match the checksums and every listed file must exist and match its sha256."""
+    fingerprint must match the checksums and every listed file must exist and match its sha256 (as ``hasher``
+    computes it: ``fileio.checksums.known_sha256`` remembers a file's hash against its identity)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         what = "is a file, not a directory" if model_dir.exists() else "not found"
@@ -54,7 +56,7 @@ def read_manifest(model_dir: str | Path, verify: bool = True, required: Sequence
             path = model_dir / name
             if not path.is_file():
                 raise ModelDirError(f"model directory is missing {name}: {path}")
-            if sha256_file(path) != digest:
+            if hasher(path) != digest:
                 raise ModelDirError(f"{path} is corrupt: its checksum does not match manifest.json")
     return manifest
 

@@ -161,12 +161,7 @@ class CLIPModel(nn.Module):
 
         model_dir = Path(model_dir)
         manifest = read_manifest(model_dir, verify=verify)
-        config = _read_json(model_dir / "config.json")
-        try:
-            mcfg = from_dict(ModelConfig, config["model"], "model.")
-            vocab_size, pad_id = int(config["vocab_size"]), int(config["pad_token_id"])
-        except (KeyError, TypeError, ValueError, ConfigError) as e:
-            raise ModelDirError(f"{model_dir / 'config.json'}: bad model config: {e}") from None
+        mcfg, vocab_size, pad_id = read_model_config(model_dir)
         # Weights come from model.safetensors only: __init__ never reads the pretrained sources in the config.
         tokenizer = load_tokenizer(model_dir) if "tokenizer.json" in manifest["files"] else None
         model = cls(mcfg, vocab_size=vocab_size, pad_token_id=pad_id, tokenizer=tokenizer)
@@ -175,13 +170,27 @@ class CLIPModel(nn.Module):
             model.load_state_dict(state)
         except (SafetensorError, RuntimeError, OSError) as e:
             raise ModelDirError(f"{model_dir / 'model.safetensors'}: cannot load weights: {e}") from None
-        pre = _read_json(model_dir / "preprocess.json")
-        try:
-            model.preprocess = from_dict(PreprocessConfig, pre, "preprocess.")
-        except ConfigError as e:
-            raise ModelDirError(f"{model_dir / 'preprocess.json'}: {e}") from None
+        model.preprocess = read_preprocess(model_dir)
         model.fingerprint = manifest["fingerprint"]
         return model.eval()
+
+
+def read_model_config(model_dir: Path) -> tuple[ModelConfig, int, int]:
+    """A model directory's (or built-in package's) ``config.json``: ``(model config, vocab_size, pad_token_id)``."""
+    config = _read_json(model_dir / "config.json")
+    try:
+        return (from_dict(ModelConfig, config["model"], "model."), int(config["vocab_size"]),
+                int(config["pad_token_id"]))
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise ModelDirError(f"{model_dir / 'config.json'}: bad model config: {e}") from None
+
+
+def read_preprocess(model_dir: Path) -> PreprocessConfig:
+    """A model directory's ``preprocess.json``, checked field by field."""
+    try:
+        return from_dict(PreprocessConfig, _read_json(model_dir / "preprocess.json"), "preprocess.")
+    except ConfigError as e:
+        raise ModelDirError(f"{model_dir / 'preprocess.json'}: {e}") from None
 
 
 def apply_trainable(model: CLIPModel) -> None:

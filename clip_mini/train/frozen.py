@@ -15,7 +15,7 @@ for ViT-S/14 at 168 px), so they are memory-mapped from their files rather than 
 pages in only its own view. Evaluation runs the current last blocks on the stored validation tokens.
 
 Each view is stored in the run directory (``frozen_features/{split}-view{v}.safetensors``, written atomically)
-with a key over everything it depends on (the image files' paths, sizes and mtimes, the tower config and weights,
+with a key over everything it depends on (the image files' paths and bytes, the tower config and weights,
 the precision, the preprocessing and image cache geometry, and for augmented views the augmentation settings and
 the seed; with a block prefix, ``k`` and the weights of everything that does not train, never those of the
 last ``k`` blocks, which a resumed run has changed), so a resumed run reuses them, a
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from clip_mini.config import Config, PreprocessConfig
+from clip_mini.fileio.atomic import sha256_file
 from clip_mini.runtime.devices import loader_workers
 from clip_mini.train.accum import autocast
 
@@ -65,19 +65,21 @@ def frozen_state(visual, cfg: Config) -> dict[str, torch.Tensor]:
 
 def inputs_digest(cfg: Config, paths: list[str], tower_state: dict[str, torch.Tensor],
                   pre: PreprocessConfig) -> str:
-    """Hash of what every view depends on: the image files (path, size, mtime), the tower config and weights,
-    the precision, the preprocessing (``pre``: size, mean, std, resize mode), ``data.cache`` and the cache record
-    geometry. Computed once per split; ``features_key`` adds what differs between views."""
+    """Hash of what every view depends on: the image files (path and the sha256 of their bytes), the tower
+    config and weights, the precision, the preprocessing (``pre``: size, mean, std, resize mode), ``data.cache``
+    and the cache record geometry. Computed once per split; ``features_key`` adds what differs between views.
+
+    The files are keyed by content, not by mtime: the same images restored or checked out again keep the stored
+    features (hashing reads each file once, far cheaper than the tower pass it saves)."""
     from clip_mini.data.cache import cache_geometry
 
     h = hashlib.sha256()
     files = []
     for p in paths:
         try:
-            st = os.stat(p)
-            files.append((p, st.st_size, st.st_mtime_ns))
+            files.append((p, sha256_file(p)))
         except OSError:
-            files.append((p, -1, -1))   # unreadable now: its row is zeros, recomputed if it comes back
+            files.append((p, None))   # unreadable now: its row is zeros, recomputed if it comes back
     # The cache on or off gives the same pixels by construction (transforms.py); it is keyed anyway, so that a
     # future change to either read path can never be masked by stale features.
     pixels = {"preprocess": dataclasses.asdict(pre), "cache": cfg.data.cache,
