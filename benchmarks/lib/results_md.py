@@ -550,6 +550,8 @@ def document() -> Doc:
 
     if (RESULTS_DIR / CLASSIFY).is_file():   # issue 52: rendered once the study has run
         classify_study(doc)
+    if (RESULTS_DIR / CUTOFF).is_file():
+        cutoff_study(doc)
 
     doc.add("## From scratch vs open_clip\n")
     doc.add("The ViT and text tower trained from scratch (or with MiniLM-L6 locked) against open_clip training its "
@@ -591,6 +593,43 @@ def document() -> Doc:
 
 
 CLASSIFY = "studies/classify_flickr8k.json"
+
+
+CUTOFF = "quality/cutoff_flickr8k.json"
+CUTOFF_POINTS = (0.99, 0.95, 0.90, 0.80, 0.70, 0.50)   # kept shares at which the cosine curve is shown
+
+
+def cutoff_study(doc: Doc) -> None:
+    """When nothing matches (``quality/cutoff_flickr8k.json``): the default cut-off, and the curve of kept hits
+    against searches answered with nothing once the caption's photo is removed."""
+    f = CUTOFF
+    data = load(f)
+    doc.add("### A cut-off that knows when nothing matches (val)\n")
+    text, src = fill(f, "`benchmarks/quality/cutoff_flickr8k.py --model {model}`: each of the {captions:,} val "
+                        "captions searched over the {images} val photos, with its photo (kept: it ranks in the top "
+                        "{k} and scores above the cut-off) and without it (empty: nothing scores above). Targets: "
+                        "kept >= {targets.kept}, empty >= {targets.empty_when_removed}. The cosine curve below "
+                        "(threshold, kept, empty, false hits per removed search) is the model's own score; the index "
+                        "z-score is shown at kept 0.90 for comparison.\n")
+    doc.add(text, src)
+    t = Table(doc, ["cut-off", "threshold", "kept", "empty when removed", "false hits when removed", "CPU"])
+    t.row(["default: the model's calibrated cosine", fill(f, "{default.threshold:.3f}"),
+           fill(f, "{default.kept:.3f}"), fill(f, "**{default.empty_when_removed:.3f}**"),
+           fill(f, "{default.false_hits_when_removed:.2f}"), cpu_kind(f)])
+    t.row(["index z-score at kept 0.90", fill(f, "{methods.z_index.[best_empty_at_kept_0.90].threshold:.2f}"),
+           fill(f, "{methods.z_index.[best_empty_at_kept_0.90].kept:.3f}"),
+           fill(f, "{methods.z_index.[best_empty_at_kept_0.90].empty_when_removed:.3f}"),
+           fill(f, "{methods.z_index.[best_empty_at_kept_0.90].false_hits_when_removed:.2f}"), cpu_kind(f)])
+    curve = data["methods"]["raw_cosine"]["curve"]
+    for want in CUTOFF_POINTS:
+        i = min((j for j, p in enumerate(curve) if p["kept"] >= want), key=lambda j: curve[j]["kept"], default=None)
+        if i is None:
+            continue
+        key = "methods.raw_cosine.curve.%d" % i
+        t.row(["cosine, kept >= %.2f" % want, fill(f, "{%s.threshold:.3f}" % key), fill(f, "{%s.kept:.3f}" % key),
+               fill(f, "{%s.empty_when_removed:.3f}" % key), fill(f, "{%s.false_hits_when_removed:.2f}" % key),
+               cpu_kind(f)])
+    doc.add("")
 
 
 def classify_study(doc: Doc) -> None:
