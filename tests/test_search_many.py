@@ -75,6 +75,26 @@ def test_group_pass_equals_float32_brute_force(storage, kernel, workers, n, monk
 
 
 @pytest.mark.parametrize("kernel", ["numpy", "onnxruntime"])
+def test_many_queries_run_in_blocks_with_the_same_result(kernel, monkeypatch):
+    """Group maxima for more queries than ``GMAX_BYTES`` holds: the queries run in blocks (here 7 queries in blocks
+    of 3), each a pass over the rows; the answer is the same."""
+    monkeypatch.setattr(exact_numpy, "GROUPED_MIN_ROWS", 0)
+    monkeypatch.setattr(exact_ort, "GROUPED_MIN_ROWS", 0)
+    rows, q, _ = _rows("float16", 5003, 32, seed=9)
+    per_query = 4 * (-(-len(rows) // groups.GROUP) + groups.BLOCK)
+    monkeypatch.setattr(groups, "GMAX_BYTES", 3 * per_query)
+    monkeypatch.setattr(groups, "MIN_BLOCK_QUERIES", 2)
+    passes = []
+    real = groups.candidates
+    monkeypatch.setattr(groups, "candidates", lambda gmax, *a: passes.append(gmax.shape[1]) or real(gmax, *a))
+    scores, ids = S.exact_search(rows, q, k=10, kernel=kernel)
+    ref_s, ref_i = _reference(rows, q, 10)
+    np.testing.assert_array_equal(ids, ref_i)
+    np.testing.assert_array_equal(scores, ref_s)
+    assert passes == [3, 3, 1]
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "onnxruntime"])
 def test_group_pass_is_the_default_from_its_size_and_for_k_up_to_max_k(kernel, monkeypatch):
     module = exact_numpy if kernel == "numpy" else exact_ort
     rng = np.random.default_rng(3)
@@ -109,8 +129,7 @@ def test_group_maxima_bound_every_row_of_their_group(monkeypatch):
         return real(gmax, smax, k, margin, chunk_, n_)
 
     monkeypatch.setattr(groups, "candidates", spy)
-    qT = np.ascontiguousarray(q.T)
-    groups.search(rows, q, 5, lambda r: exact_numpy._scorer(rows, qT, r), bounds.margin(0.0, 0, d), chunk)
+    groups.search(rows, q, 5, lambda r, qs: exact_numpy._scorer(rows, qs, r), bounds.margin(0.0, 0, d), chunk)
     sims = np.asarray(rows, np.float32) @ q.T   # (n, Q)
     gmax, smax = seen["gmax"], seen["smax"]
     assert seen["chunk"] == chunk and len(gmax) == 3 * chunk // groups.GROUP

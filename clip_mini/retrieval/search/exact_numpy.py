@@ -31,8 +31,7 @@ def search(embeddings, queries: np.ndarray, k: int, chunk_rows: int | None = Non
     exact = isinstance(embeddings, BF16Rows) or embeddings.dtype in (np.float16, np.float32)
     margin = bounds.margin(0.0, 0, dim) if exact else bounds.margin(bounds.F32_U, 1, dim)
     if chunk_rows is None and n >= GROUPED_MIN_ROWS and groups.usable(n, k):
-        qT = np.ascontiguousarray(queries.T)
-        return groups.search(embeddings, queries, k, lambda rows: _scorer(embeddings, qT, rows), margin,
+        return groups.search(embeddings, queries, k, lambda rows, q: _scorer(embeddings, q, rows), margin,
                              _GROUPED_CHUNK, workers=1)
     chunk_rows = max(chunk_rows or (1 << 21) // dim, 1)
     return shortlist.floor_and_rescore(embeddings, queries, k, lambda q: _chunks(embeddings, q, chunk_rows), margin)
@@ -54,8 +53,9 @@ def _in_place(embeddings) -> bool:
         and embeddings.dtype == np.float32
 
 
-def _scorer(embeddings, qT: np.ndarray, chunk: int) -> groups.Score:
+def _scorer(embeddings, queries: np.ndarray, chunk: int) -> groups.Score:
     """A ``groups.Score`` with its own conversion buffer: (rows, d) float32 @ (d, Q) into the caller's block."""
+    qT = np.ascontiguousarray(queries.T)
     block = None if _in_place(embeddings) else np.empty((min(chunk, len(embeddings)), embeddings.shape[1]),
                                                         np.float32)
 

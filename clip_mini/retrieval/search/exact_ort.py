@@ -67,7 +67,7 @@ def search(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
     margin = bounds.margin(0.0, 0, embeddings.shape[1])
     if len(embeddings) >= GROUPED_MIN_ROWS and groups.usable(len(embeddings), k):
         _ort_session(embeddings.shape[1], not bf16, rows_first=True)   # built once, before the worker threads
-        return groups.search(embeddings, queries, k, lambda rows: _scorer(embeddings, queries, bf16, rows), margin,
+        return groups.search(embeddings, queries, k, lambda rows, q: _scorer(embeddings, q, bf16, rows), margin,
                              _GROUPED_CHUNK)
     return shortlist.floor_and_rescore(embeddings, queries, k, lambda q: _chunks(embeddings, q, bf16), margin)
 

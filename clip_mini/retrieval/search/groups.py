@@ -31,6 +31,8 @@ GROUP = 16    # rows per group maximum
 SUPER = 64    # groups per super-group
 BLOCK = GROUP * SUPER   # a chunk is a whole number of these (1,024 rows)
 MAX_K = 256   # a larger k re-scores k groups of 16 rows each per query: the chunked short list is cheaper then
+GMAX_BYTES = 1 << 28   # group maxima held at once (N/16 x queries float32): more queries run in blocks
+MIN_BLOCK_QUERIES = 32   # fewer queries a product loses float32 speed (half-empty register tiles)
 
 # (start, stop, out): writes the (stop - start, Q) float32 scores of those rows into ``out``
 Score = Callable[[int, int, np.ndarray], None]
@@ -55,19 +57,26 @@ def group_rows(g: np.ndarray, chunk: int, n: int) -> np.ndarray:
     return np.where(rows < n, rows, -1)
 
 
-def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int], Score], margin: float, chunk: int,
+def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int, np.ndarray], Score], margin: float,
+           chunk: int,
            workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The exact top-K from group maxima of float32 scores.
 
     Args:
-        make_score: ``make_score(rows)`` returns a ``Score`` with its own buffers for chunks of up to ``rows``
-            rows (called once per worker thread).
+        make_score: ``make_score(rows, queries)`` returns a ``Score`` of those (C-contiguous) queries with its own
+            buffers for chunks of up to ``rows`` rows (called once per worker thread).
         margin: twice the bound on |float32 score - exact score| for unit rows and queries (scaled here by the
             query's length where it is above 1).
         chunk: rows per product; rounded to whole ``BLOCK``s (at most the matrix, padded).
         workers: threads (default: one per core).
     """
     n, nq = len(embeddings), len(queries)
+    per_query = 4 * (-(-n // GROUP) + BLOCK)   # bytes of group maxima a query holds
+    step = max(MIN_BLOCK_QUERIES, GMAX_BYTES // per_query)
+    if nq > step:   # many queries over many rows: in blocks, each a pass over the rows
+        parts = [search(embeddings, queries[b:b + step], k, make_score, margin, chunk, workers)
+                 for b in range(0, nq, step)]
+        return np.concatenate([s for s, _ in parts]), np.concatenate([i for _, i in parts])
     chunk = max(BLOCK, chunk // BLOCK * BLOCK)
     chunk = min(chunk, -(-n // BLOCK) * BLOCK)
     chunks = -(-n // chunk)
@@ -78,7 +87,7 @@ def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int], 
     lock = threading.Lock()
 
     def work() -> None:
-        score = make_score(chunk)
+        score = make_score(chunk, queries)
         scores = np.empty((chunk, nq), np.float32)
         while True:
             with lock:
