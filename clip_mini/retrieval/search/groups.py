@@ -1,5 +1,7 @@
-"""Many queries over a large matrix in float32 products, keeping only group maxima (the torch-free kernels' pass for
-a CPU without native bf16, where a float32 matrix product is the fastest arithmetic there is).
+"""Many queries over a large matrix in float32 products, keeping only group maxima: the numpy and onnxruntime
+kernels' pass over large matrices (on a CPU without native bf16, where a float32 product is the fastest arithmetic
+there is, onnxruntime's is ``auto``'s pick for many queries, torch loaded or not: 64 queries over 1M x 256 rows
+against the fp32 compute floor in ``benchmarks/speed/bench_search_many.py``).
 
 Each chunk of ``C`` rows is scored for every query at once by the caller's ``score`` (one float32 matrix product
 of the rows, widened exactly from float16 or bfloat16, and the queries: (C, Q) scores), and the chunk's scores are
@@ -58,8 +60,7 @@ def group_rows(g: np.ndarray, chunk: int, n: int) -> np.ndarray:
 
 
 def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int, np.ndarray], Score], margin: float,
-           chunk: int,
-           workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+           chunk: int, workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The exact top-K from group maxima of float32 scores.
 
     Args:
