@@ -1,7 +1,7 @@
 """Many queries at once: exact top-10 over 1M float16 rows against the fp32 compute floor, torch-free and with
 torch loaded, every kernel forced and ``auto``.
 
-    python benchmarks/speed/bench_search_many.py [--rows 1000000] [--dim 256] [--queries 1 8 64] [--repeats 5]
+    python benchmarks/speed/bench_search_many.py [--rows 1000000] [--dim 256] [--queries 1 8 64] [--repeats 7]
 
 The rows (clustered unit vectors, ``bench_search.clustered``) are written as a float16 ``.npy`` and memory-mapped,
 as ``EmbeddingIndex`` stores them; queries are random unit vectors. For each query count ``m``:
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--queries", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None, help="default: benchmarks/results/speed/search_many_<cpu kind>.json")
     p.add_argument("--arm", metavar="NPY", help=argparse.SUPPRESS)   # internal: the torch-free process
     args = p.parse_args(argv)
