@@ -156,15 +156,28 @@ def test_auto_picks_torch_free_kernels_without_torch(tmp_path):
     assert out.stdout.split() == ["exact_faiss", "exact_ort", "False"]
 
 
-def test_auto_kernel_choices(monkeypatch):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_kernel_choices(native_bf16, monkeypatch):
+    from clip_mini.retrieval.search import dispatch
+
+    monkeypatch.setattr(dispatch, "cpu_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(exact_faiss, "faiss_scan_available", lambda: True)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    assert S.auto_kernel(1_000_000, 1, True) == "faiss"
-    assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES_NO_TORCH + 1, True) == "onnxruntime"
+    few = S.FAISS_SCAN_MAX_QUERIES_NO_TORCH if native_bf16 else S.FAISS_SCAN_MAX_QUERIES_NO_BF16
+    assert S.auto_kernel(1_000_000, 1, True) == S.auto_kernel(1_000_000, few, True) == "faiss"
+    assert S.auto_kernel(1_000_000, few + 1, True) == "onnxruntime"
     assert S.auto_kernel(1000, 64, True) == "numpy"        # a small matrix: not worth a session
     assert S.auto_kernel(1_000_000, 1, False) == "numpy"   # float32 rows: no 16-bit codes to scan
     monkeypatch.setitem(sys.modules, "torch", object())
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
-    assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES + 1, True) == "torch"
+    if native_bf16:   # torch's bf16 products
+        assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES, True) == "faiss"
+        assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES + 1, True) == "torch"
+    else:             # float32 everywhere: onnxruntime's pass, torch loaded or not
+        assert S.auto_kernel(1_000_000, few, True) == "faiss"
+        assert S.auto_kernel(1_000_000, few + 1, True) == "onnxruntime"
+        with monkeypatch.context() as m:   # no onnxruntime: torch's float32 pass
+            m.setattr(exact_ort, "ort_available", lambda: False)
+            assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES + 1, True) == "torch"
     monkeypatch.setattr(exact_faiss, "faiss_scan_available", lambda: False)
-    assert S.auto_kernel(1_000_000, 1, True) == "torch"
+    assert S.auto_kernel(1_000_000, 1, True) == ("torch" if native_bf16 else "onnxruntime")

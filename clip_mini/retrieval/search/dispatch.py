@@ -9,14 +9,18 @@ import numpy as np
 
 from clip_mini.retrieval.rows import BF16Rows
 from clip_mini.retrieval.search import exact_faiss, exact_numpy, exact_ort, exact_torch, shortlist
+from clip_mini.runtime.isa import cpu_native_bf16
 
 KERNELS = ("auto", "numpy", "onnxruntime", "torch", "faiss")
 TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
 # The faiss scan reads the whole matrix once per query per core, the matrix-product kernels once for all queries:
-# up to this many queries the scan is the faster one (benchmarks/bench_search.py: exact_faiss against
-# exact_torch with torch loaded, against exact_onnxruntime in torch_free).
+# up to this many queries the scan is the faster one. Against torch's bf16 products (torch loaded, a CPU with
+# native bf16) and against onnxruntime's float32 pass on such a CPU: benchmarks/speed/bench_search.py
+# (exact_faiss against exact_torch and exact_onnxruntime). On a CPU without native bf16, where onnxruntime's float32
+# pass is the matrix-product kernel with torch loaded or not: benchmarks/speed/bench_search_many.py.
 FAISS_SCAN_MAX_QUERIES = 4
 FAISS_SCAN_MAX_QUERIES_NO_TORCH = 4
+FAISS_SCAN_MAX_QUERIES_NO_BF16 = 4
 FAISS_SCAN_MIN_ROWS = 50_000   # below this numpy takes a few ms, less than importing faiss
 ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
 
@@ -60,16 +64,18 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
 
 def auto_kernel(n: int, n_queries: int, sixteen_bit: bool) -> str:
     """The exact-search kernel ``auto`` picks for ``n`` rows and ``n_queries`` queries (see the package docstring):
-    the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not); for more, torch's matrix
-    products when torch is already imported (importing it costs seconds), else onnxruntime's (a core dependency,
-    already loaded for the query towers); numpy for small or float32 matrices."""
-    torch_loaded = "torch" in sys.modules
+    the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not); for more, on a CPU with
+    native bf16, torch's bf16 matrix products when torch is already imported (importing it costs seconds), else
+    onnxruntime's float32 ones (a core dependency, already loaded for the query towers); on a CPU without native
+    bf16, where every kernel multiplies in float32, onnxruntime's with torch loaded or not (its one-thread-per-core
+    pass is the faster one there); numpy for small or float32 matrices."""
     if not sixteen_bit:
         return "numpy"
-    few = FAISS_SCAN_MAX_QUERIES if torch_loaded and n >= TORCH_MIN_ROWS else FAISS_SCAN_MAX_QUERIES_NO_TORCH
+    ort = n >= ORT_MIN_ROWS and exact_ort.ort_available()
+    torch = "torch" in sys.modules and n >= TORCH_MIN_ROWS and (cpu_native_bf16() or not ort)
+    few = (FAISS_SCAN_MAX_QUERIES if torch else FAISS_SCAN_MAX_QUERIES_NO_TORCH if cpu_native_bf16()
+           else FAISS_SCAN_MAX_QUERIES_NO_BF16)
     if (n_queries <= few and (n >= FAISS_SCAN_MIN_ROWS or "faiss" in sys.modules)
             and exact_faiss.faiss_scan_available()):
         return "faiss"
-    if torch_loaded and n >= TORCH_MIN_ROWS:
-        return "torch"
-    return "onnxruntime" if n >= ORT_MIN_ROWS and exact_ort.ort_available() else "numpy"
+    return "torch" if torch else "onnxruntime" if ort else "numpy"

@@ -2,13 +2,16 @@
 
 A cheap approximate pass over the whole matrix, then exact float64 re-scoring of a short list. One or a few
 queries: torch's float16 matrix-vector product (float32 accumulation, read at close to memory speed). More queries:
-each cache-sized chunk goes float16 -> float32 -> bfloat16 and through a bf16 matrix product (AMX/AVX512-BF16 where
-the CPU has them, much faster than fp32), of which only the maximum of each group of 16 rows is kept; on a CPU with
-native bf16 the float32 chunk goes to oneDNN as it is, asked to round it to bf16 inside the product (one conversion
-pass fewer). The K-th best group maximum and the groups near it are found on the maxima of 64-group super-groups
-first. The approximate scores' rounding error has a proven bound (``bounds.margin``); every row whose approximate
-score is within twice that bound of the approximate K-th best is re-scored exactly, so no true top-K row can be
-missed. fp16 arithmetic itself is never used: without native support it is emulated and far slower.
+each cache-sized chunk goes through a matrix product with the queries, of which only the maximum of each group of
+16 rows is kept. On a CPU with native bf16 (AMX/AVX512-BF16, ``clip_mini.runtime.isa``) the product is bf16, much
+faster than fp32 there: the float16 chunk goes float16 -> float32 -> bfloat16, or, where oneDNN can be asked to,
+the float32 chunk goes to oneDNN as it is, rounded to bf16 inside the product (one conversion pass fewer).
+Elsewhere a bf16 product is emulated and float32 is the fast one: the chunk is widened to float32 (exactly) and
+multiplied by the float32 queries, so only the accumulation rounds. The K-th best group maximum and the groups
+near it are found on the maxima of 64-group super-groups first. The approximate scores' rounding error has a
+proven bound (``bounds.margin``); every row whose approximate score is within twice that bound of the approximate
+K-th best is re-scored exactly, so no true top-K row can be missed. fp16 arithmetic itself is never used: without
+native support it is emulated and far slower.
 
 Rows stored as bfloat16 skip every conversion: they go straight to the bf16 matrix-vector or matrix product (a
 query then costs little more than reading the rows). torch is imported only when the kernel runs.
@@ -28,9 +31,11 @@ _BIG_CHUNK = 1 << 18      # rows per fp16 mv call (128 MB at d=256: the page cac
 _BF16_CHUNK = 4096        # float16 rows converted per bf16 product: the fp32 and bf16 copies stay in the L2 cache
 _BF16_ROWS_CHUNK = 16384  # stored bf16 rows per product (no copies)
 _IMPLICIT_CHUNK = 16384   # float16 rows per float32 chunk that oneDNN rounds to bf16 (it packs its own copy)
+_FP32_CHUNK = 8192        # rows per float32 product on a CPU without native bf16
 _GROUP = 16               # rows per group maximum in the many-queries pass
 _SUPER = 64               # groups per super-group (1,024 rows): the floor and the first filter run on their maxima
 _IMPLICIT_BF16 = True     # float16 rows: let oneDNN round float32 chunks to bf16 inside the product where it can
+_FP32 = None              # the many-queries product in float32: None decides by the CPU (no native bf16)
 
 
 def search(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,39 +91,47 @@ def _few_queries(torch, E, qv, k: int, margin: float):
 
 
 def _many_queries(torch, E, qb, qf, k: int):
-    """One bf16 matrix product per chunk, rows by queries (faster than queries by rows), of which only
-    each group of ``_GROUP`` rows' maximum is kept: a top-K per chunk costs twice the product. The K-th best group
-    maximum is a score that K distinct rows reach, so only groups whose maximum is within ``margin`` of it can hold
-    a true top-K row; their rows are scored exactly and those above the floor (the K-th best less the margin)
-    returned."""
+    """One matrix product per chunk (bf16, or float32 where bf16 is emulated: ``_fp32_products``), rows by queries
+    (faster than queries by rows), of which only each group of ``_GROUP`` rows' maximum is kept: a top-K per chunk
+    costs twice the product. The K-th best group maximum is a score that K distinct rows reach, so only groups
+    whose maximum is within ``margin`` of it can hold a true top-K row; their rows are scored exactly and those
+    above the floor (the K-th best less the margin) returned."""
     n, d = E.shape
     nq, G, S = len(qb), _GROUP, _SUPER
     groups = -(-n // G)
     if groups < k:   # fewer groups than results: every row is a candidate
         return torch.arange(nq).repeat_interleave(n), torch.arange(n).repeat(nq)
     stored = E.dtype == torch.bfloat16
-    implicit = not stored and _implicit_bf16(torch)
-    margin = bounds.margin(bounds.BF16_U, 2 if stored or implicit else 3, d)
+    fp32 = _fp32_products()
+    implicit = not stored and not fp32 and _implicit_bf16(torch)
+    if fp32:   # 16-bit rows widen to float32 exactly, the queries are float32: only the accumulation rounds
+        margin = bounds.margin(0.0, 0, d)
+    else:
+        margin = bounds.margin(bounds.BF16_U, 2 if stored or implicit else 3, d)
     supers = -(-groups // S)
-    # group maxima, padded to whole super-groups; float32 where oneDNN's product hands back float32
-    gmax = torch.empty(supers * S, nq, dtype=torch.float32 if implicit else torch.bfloat16)
+    # group maxima, padded to whole super-groups; float32 where the product hands back float32
+    gmax = torch.empty(supers * S, nq, dtype=torch.float32 if implicit or fp32 else torch.bfloat16)
     gmax[groups:] = -math.inf
-    chunk_rows = _BF16_ROWS_CHUNK if stored else _IMPLICIT_CHUNK if implicit else _BF16_CHUNK
+    chunk_rows = (_FP32_CHUNK if fp32 else _BF16_ROWS_CHUNK if stored else _IMPLICIT_CHUNK if implicit
+                  else _BF16_CHUNK)
     step = max(G, chunk_rows // G * G)   # whole groups per chunk
-    if not stored:   # float16 -> float32 (-> bfloat16) in reused buffers (float16 -> bfloat16 directly is slower)
+    if fp32 or not stored:   # -> float32 (-> bfloat16) in reused buffers (float16 -> bfloat16 directly is slower)
         f32 = torch.empty(min(step, n), d)
-        b16 = None if implicit else torch.empty(min(step, n), d, dtype=torch.bfloat16)
-    qT = (qf if implicit else qb).T.contiguous()
+        b16 = None if implicit or fp32 else torch.empty(min(step, n), d, dtype=torch.bfloat16)
+    qT = (qf if implicit or fp32 else qb).T.contiguous()
+    scores = torch.empty(min(step, n), nq) if fp32 else None   # reused: a fresh (c, Q) block each chunk costs faults
     with _matmul_precision(torch, "bf16" if implicit else None):
         for start in range(0, n, step):
             c = min(step, n - start)
-            if stored:
+            if fp32:   # float16 or bfloat16 -> float32, exactly
+                chunk = f32[:c].copy_(E[start:start + c])
+            elif stored:
                 chunk = E[start:start + c]
             elif implicit:   # oneDNN rounds the float32 rows and queries to bf16 inside the product
                 chunk = f32[:c].copy_(E[start:start + c])
             else:
                 chunk = b16[:c].copy_(f32[:c].copy_(E[start:start + c]))
-            s = chunk @ qT   # (c, Q)
+            s = torch.mm(chunk, qT, out=scores[:c]) if fp32 else chunk @ qT   # (c, Q)
             g0, full = start // G, c // G
             torch.amax(s[:full * G].view(full, G, nq), 1, out=gmax[g0:g0 + full])
             if full * G < c:   # the last, partial group
@@ -174,6 +187,16 @@ def _candidate_groups(torch, gmax, k: int, margin: float):
     floor = torch.topk(dense.view(nq, -1), k, dim=1).values[:, -1].float() - margin   # (Q,)
     p, o = torch.nonzero(vals >= floor[qi, None], as_tuple=True)   # ordered by pair: query, group
     return si[p] * S + o, qi[p], floor
+
+
+def _fp32_products() -> bool:
+    """Whether the many-queries pass multiplies in float32: on a CPU without native bf16 (the one rule,
+    ``clip_mini.runtime.isa.cpu_native_bf16``) a bf16 product is emulated, slower than float32 and less exact."""
+    if _FP32 is not None:
+        return _FP32
+    from clip_mini.runtime.isa import cpu_native_bf16
+
+    return not cpu_native_bf16()
 
 
 def _implicit_bf16(torch) -> bool:
