@@ -5,12 +5,14 @@ queries: torch's float16 matrix-vector product (float32 accumulation, read at cl
 each cache-sized chunk goes float16 -> float32 -> bfloat16 and through a bf16 matrix product (AMX/AVX512-BF16 where
 the CPU has them, much faster than fp32), of which only the maximum of each group of 16 rows is kept; on a CPU with
 native bf16 the float32 chunk goes to oneDNN as it is, asked to round it to bf16 inside the product (one conversion
-pass fewer). The K-th best group maximum and the groups near it are found on the maxima of 64-group super-groups
+pass fewer); on a CPU without it (AVX2 only), where a bf16 product is emulated and an order of magnitude slower, the
+float32 chunk goes through a float32 product (float16 or bfloat16 rows widen exactly: only the accumulation rounds).
+The K-th best group maximum and the groups near it are found on the maxima of 64-group super-groups
 first. The approximate scores' rounding error has a proven bound (``bounds.margin``); every row whose approximate
 score is within twice that bound of the approximate K-th best is re-scored exactly, so no true top-K row can be
 missed. fp16 arithmetic itself is never used: without native support it is emulated and far slower.
 
-Rows stored as bfloat16 skip every conversion: they go straight to the bf16 matrix-vector or matrix product (a
+Rows stored as bfloat16 skip every conversion where the CPU has native bf16: they go straight to the bf16 matrix-vector or matrix product (a
 query then costs little more than reading the rows). torch is imported only when the kernel runs.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ _IMPLICIT_CHUNK = 16384   # float16 rows per float32 chunk that oneDNN rounds to
 _GROUP = 16               # rows per group maximum in the many-queries pass
 _SUPER = 64               # groups per super-group (1,024 rows): the floor and the first filter run on their maxima
 _IMPLICIT_BF16 = True     # float16 rows: let oneDNN round float32 chunks to bf16 inside the product where it can
+_F32_CHUNK = 8192         # rows per float32 product where there is no native bf16 (``_wide``)
+_WIDE = None              # None: float32 products exactly where the CPU has no native bf16; True / False: always / never
 
 
 def search(embeddings, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -90,29 +94,35 @@ def _many_queries(torch, E, qb, qf, k: int):
     each group of ``_GROUP`` rows' maximum is kept: a top-K per chunk costs twice the product. The K-th best group
     maximum is a score that K distinct rows reach, so only groups whose maximum is within ``margin`` of it can hold
     a true top-K row; their rows are scored exactly and those above the floor (the K-th best less the margin)
-    returned."""
+    returned. On a CPU without native bf16 the products are float32 instead (``_wide``): there a bf16 product is
+    emulated, an order of magnitude slower (``benchmarks/speed/bench_serve.py --arm 1m`` found it)."""
     n, d = E.shape
     nq, G, S = len(qb), _GROUP, _SUPER
     groups = -(-n // G)
     if groups < k:   # fewer groups than results: every row is a candidate
         return torch.arange(nq).repeat_interleave(n), torch.arange(n).repeat(nq)
     stored = E.dtype == torch.bfloat16
-    implicit = not stored and _implicit_bf16(torch)
-    margin = bounds.margin(bounds.BF16_U, 2 if stored or implicit else 3, d)
+    wide = _wide()   # rows widened to float32 exactly, float32 products: only the accumulation rounds
+    implicit = not stored and not wide and _implicit_bf16(torch)
+    margin = (bounds.margin(0.0, 0, d) if wide
+              else bounds.margin(bounds.BF16_U, 2 if stored or implicit else 3, d))
     supers = -(-groups // S)
-    # group maxima, padded to whole super-groups; float32 where oneDNN's product hands back float32
-    gmax = torch.empty(supers * S, nq, dtype=torch.float32 if implicit else torch.bfloat16)
+    # group maxima, padded to whole super-groups; float32 where the product hands back float32
+    gmax = torch.empty(supers * S, nq, dtype=torch.float32 if implicit or wide else torch.bfloat16)
     gmax[groups:] = -math.inf
-    chunk_rows = _BF16_ROWS_CHUNK if stored else _IMPLICIT_CHUNK if implicit else _BF16_CHUNK
+    chunk_rows = (_F32_CHUNK if wide else _BF16_ROWS_CHUNK if stored else _IMPLICIT_CHUNK if implicit
+                  else _BF16_CHUNK)
     step = max(G, chunk_rows // G * G)   # whole groups per chunk
-    if not stored:   # float16 -> float32 (-> bfloat16) in reused buffers (float16 -> bfloat16 directly is slower)
+    if wide or not stored:   # -> float32 (-> bfloat16) in reused buffers (float16 -> bfloat16 directly is slower)
         f32 = torch.empty(min(step, n), d)
-        b16 = None if implicit else torch.empty(min(step, n), d, dtype=torch.bfloat16)
-    qT = (qf if implicit else qb).T.contiguous()
+        b16 = None if implicit or wide else torch.empty(min(step, n), d, dtype=torch.bfloat16)
+    qT = (qf if implicit or wide else qb).T.contiguous()
     with _matmul_precision(torch, "bf16" if implicit else None):
         for start in range(0, n, step):
             c = min(step, n - start)
-            if stored:
+            if wide:   # float16 or bfloat16 rows -> float32, exactly
+                chunk = f32[:c].copy_(E[start:start + c])
+            elif stored:
                 chunk = E[start:start + c]
             elif implicit:   # oneDNN rounds the float32 rows and queries to bf16 inside the product
                 chunk = f32[:c].copy_(E[start:start + c])
@@ -174,6 +184,16 @@ def _candidate_groups(torch, gmax, k: int, margin: float):
     floor = torch.topk(dense.view(nq, -1), k, dim=1).values[:, -1].float() - margin   # (Q,)
     p, o = torch.nonzero(vals >= floor[qi, None], as_tuple=True)   # ordered by pair: query, group
     return si[p] * S + o, qi[p], floor
+
+
+def _wide() -> bool:
+    """Whether the many-queries pass multiplies in float32: on a CPU without native bf16 (AVX2 only), where
+    oneDNN and ATen emulate a bf16 product, an order of magnitude slower than float32 there."""
+    if _WIDE is not None:
+        return _WIDE
+    from clip_mini.runtime.isa import cpu_native_bf16
+
+    return not cpu_native_bf16()
 
 
 def _implicit_bf16(torch) -> bool:
