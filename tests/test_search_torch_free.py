@@ -14,6 +14,7 @@ import pytest
 from clip_mini.retrieval import search as S
 from clip_mini.retrieval.rows import BF16Rows, encode
 from clip_mini.retrieval.search import bounds, exact_faiss, exact_ort, shortlist
+from clip_mini.runtime import isa
 
 needs_faiss = pytest.mark.skipif(not S.faiss_scan_available(), reason="faiss >= 1.11 not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +165,10 @@ def test_auto_kernel_choices(monkeypatch):
     assert S.auto_kernel(1000, 64, True) == "numpy"        # a small matrix: not worth a session
     assert S.auto_kernel(1_000_000, 1, False) == "numpy"   # float32 rows: no 16-bit codes to scan
     monkeypatch.setitem(sys.modules, "torch", object())
+    monkeypatch.setattr(isa, "cpu_native_bf16", lambda: False)   # AVX2 only: torch's pass has no bf16 to gain from
+    assert S.auto_kernel(1_000_000, 1, True) == "faiss"
+    assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES_NO_TORCH + 1, True) == "onnxruntime"
+    monkeypatch.setattr(isa, "cpu_native_bf16", lambda: True)
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
     assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES + 1, True) == "torch"
     monkeypatch.setattr(exact_faiss, "faiss_scan_available", lambda: False)

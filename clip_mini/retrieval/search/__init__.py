@@ -7,7 +7,8 @@ Exact search has four kernels with the same result, the float32 top-K of the row
   faiss streams the stored rows in place, one read of the matrix a query.
 * onnxruntime (``exact_ort``): many queries without torch (onnxruntime is loaded anyway for the query towers).
 * numpy (``exact_numpy``): always available; small or float32 matrices.
-* torch (``exact_torch``): when torch is already imported (a server, a notebook) or asked for.
+* torch (``exact_torch``): when torch is already imported (a server, a notebook) on a CPU with native bf16, or asked
+  for.
 
 Each kernel scores approximately in float32 (or bf16), keeps the rows within a proven error bound (``bounds``) of
 the approximate K-th best, and re-scores them exactly (``shortlist``), so ties and near-ties come out the same from

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 from clip_mini.retrieval.rows import BF16Rows
+from clip_mini.runtime import isa
 from clip_mini.retrieval.search import exact_faiss, exact_numpy, exact_ort, exact_torch, shortlist
 
 KERNELS = ("auto", "numpy", "onnxruntime", "torch", "faiss")
@@ -61,9 +62,13 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
 def auto_kernel(n: int, n_queries: int, sixteen_bit: bool) -> str:
     """The exact-search kernel ``auto`` picks for ``n`` rows and ``n_queries`` queries (see the package docstring):
     the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not); for more, torch's matrix
-    products when torch is already imported (importing it costs seconds), else onnxruntime's (a core dependency,
-    already loaded for the query towers); numpy for small or float32 matrices."""
-    torch_loaded = "torch" in sys.modules
+    products when torch is already imported (importing it costs seconds) and the CPU multiplies bf16 natively, else
+    onnxruntime's (a core dependency, already loaded for the query towers); numpy for small or float32 matrices.
+
+    Without native bf16 (an AVX2-only CPU) torch's pass multiplies float32, and onnxruntime's Cast + Gemm was faster
+    there (1M x 256 float16 rows, 2-core EPYC, torch loaded: 8 queries 134 ms against 272, 12 queries 226 against
+    321; ``benchmarks/speed/bench_serve.py --arm 1m`` serves such batches)."""
+    torch_loaded = "torch" in sys.modules and isa.cpu_native_bf16()
     if not sixteen_bit:
         return "numpy"
     few = FAISS_SCAN_MAX_QUERIES if torch_loaded and n >= TORCH_MIN_ROWS else FAISS_SCAN_MAX_QUERIES_NO_TORCH
