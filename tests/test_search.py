@@ -184,12 +184,13 @@ def test_compositional_split_pairs_never_seen_in_training(trained_model_dir, sha
 
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [150, 3001])
-@pytest.mark.parametrize("implicit", [False, True])
-def test_grouped_many_query_pass_is_exact(storage, n, implicit, monkeypatch):
+@pytest.mark.parametrize("mode", ["bf16", "implicit", "wide"])
+def test_grouped_many_query_pass_is_exact(storage, n, mode, monkeypatch):
     """The many-queries pass keeps only each group's maximum, and filters groups by super-group maxima first:
     clustered near-ties spread over many groups, a partial last group, fewer super-groups (n=3001: 47) than one
     k asked for (k=40 still fits; n=150: fewer groups than k) must still give the exact top-K, with float16 rows
-    converted to bf16 by torch or (``implicit``, where the CPU has native bf16) rounded inside oneDNN's product."""
+    converted to bf16 by torch, (``implicit``, where the CPU has native bf16) rounded inside oneDNN's product, or
+    (``wide``, what a CPU without native bf16 does) widened to float32 for a float32 product."""
     pytest.importorskip("torch")
     from clip_mini.retrieval.rows import BF16Rows, encode
     from clip_mini.retrieval.search import exact_torch as T
@@ -197,8 +198,10 @@ def test_grouped_many_query_pass_is_exact(storage, n, implicit, monkeypatch):
     monkeypatch.setattr(T, "_BF16_CHUNK", 200)        # several chunks, not whole groups (rounded down to 192)
     monkeypatch.setattr(T, "_BF16_ROWS_CHUNK", 200)
     monkeypatch.setattr(T, "_IMPLICIT_CHUNK", 200)
+    monkeypatch.setattr(T, "_FP32_CHUNK", 200)
     monkeypatch.setattr(T, "_SUPER", 4)               # 47 super-groups of 4 groups, the last one padded
-    monkeypatch.setattr(T, "_IMPLICIT_BF16", implicit)
+    monkeypatch.setattr(T, "_IMPLICIT_BF16", mode == "implicit")
+    monkeypatch.setattr(T, "_FP32", mode == "wide")
     rng = np.random.default_rng(11)
     centre = _unit(rng, 1, 32)[0]
     emb = _unit(rng, n, 32)
@@ -222,6 +225,37 @@ def test_grouped_many_query_pass_is_exact(storage, n, implicit, monkeypatch):
     assert ids[0, :3].tolist() == [0, n - 2, n - 1]
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_many_queries_multiply_in_float32_without_native_bf16(native, monkeypatch):
+    """Where the CPU has no native bf16 (AVX2 only) a bf16 product is emulated, an order of magnitude slower than
+    float32 (bench_serve.py --arm 1m, no-bf16 EPYC): the pass multiplies in float32 there, and only there."""
+    pytest.importorskip("torch")
+    import torch
+
+    from clip_mini.runtime import isa
+    from clip_mini.retrieval.search import exact_torch as T
+
+    monkeypatch.setattr(isa, "cpu_native_bf16", lambda: native)
+    assert T._FP32 is None and T._fp32_products() is (not native)
+    products = []
+    real = torch.Tensor.__matmul__
+
+    def recorded(a, b):
+        products.append((a.dtype, b.dtype))
+        return real(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", recorded)
+    monkeypatch.setattr(T, "_IMPLICIT_BF16", False)
+    rng = np.random.default_rng(2)
+    emb = _unit(rng, 2000, 16).astype(np.float16)
+    q = _unit(rng, 6, 16)   # more than _MV_MAX_QUERIES: the many-queries pass
+    scores, ids = exact_search(emb, q, k=5, kernel="torch")
+    ref_s, ref_i = _brute(emb, q, 5)
+    np.testing.assert_array_equal(ids, ref_i)
+    pass_dtypes = set(products[:1])   # the pass's first product (re-scoring multiplies float32 either way)
+    assert pass_dtypes == ({(torch.bfloat16, torch.bfloat16)} if native else {(torch.float32, torch.float32)})
+
+
 @pytest.mark.parametrize("n_queries", [1, 3, 9])
 def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_path):
     pytest.importorskip("torch")
@@ -231,6 +265,7 @@ def test_torch_kernel_matches_float32_brute_force(n_queries, monkeypatch, tmp_pa
     monkeypatch.setattr(T, "_BIG_CHUNK", 700)
     monkeypatch.setattr(T, "_BF16_CHUNK", 300)   # not whole groups of _GROUP rows: rounded down
     monkeypatch.setattr(T, "_IMPLICIT_CHUNK", 300)
+    monkeypatch.setattr(T, "_FP32_CHUNK", 300)
     monkeypatch.setattr(T, "_SUPER", 3)          # the 41 tied rows below fill one super-group's groups
     rng = np.random.default_rng(5)
     emb = _unit(rng, 3000, 24)

@@ -114,7 +114,9 @@ def test_pictures_by_row_id(client, small_index):
     info = client.get("/api/info").json()
     assert info["index_size"] == 12 and info["generation"] == 1 and info["reload_error"] is None
     assert info["model_fingerprint"] == EmbeddingIndex.load(small_index).fingerprint
-    assert info["backend"]["search"] == "exact"
+    assert info["backend"]["search"] == "exact" and 0 < info["index_open_s"] < 60
+    # 12 rows: below FLOAT32_MAX_ROWS, searched from a float32 copy (12 x 32 floats)
+    assert info["backend"]["float32_rows_in_memory"] and info["backend"]["float32_rows_bytes"] == 12 * 32 * 4
 
 
 def test_page_and_its_assets_are_served_locally(client):
@@ -446,7 +448,7 @@ def test_cli_serves_over_http(small_index):
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline()
-        assert f"on http://127.0.0.1:{port}/" in line and "12 images, generation 1" in line, line
+        assert f"on http://127.0.0.1:{port}/" in line and "12 images, generation 1 opened in " in line, line
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):   # the URL is printed before uvicorn binds
             try:

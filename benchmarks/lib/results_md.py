@@ -435,6 +435,7 @@ SEARCH = [
      "{search.nprobe32.recall_at_10_vs_exact:g} in {search.peak_anon_mb:.0f} MB", "python benchmarks/speed/bench_index_10m.py"),
 ]
 
+B1M = "python benchmarks/speed/bench_serve.py --arm 1m"
 SERVING = [
     ("cold `clip-mini search` process, text / image query, median", "speed/query_latency.json",
      "{text_query.p50_s:.3f} / {image_query.p50_s:.3f} s", "python benchmarks/speed/bench_query_latency.py --model DIR"),
@@ -455,6 +456,21 @@ SERVING = [
      "{points.1.server_rss_peak_mb:.0f} MB; failures {points.1.text_failures}",
      "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/speed/bench_serve.py --arm mixed "
      "--out benchmarks/results/speed/serve_mixed_noamx.json"),
+    ("`clip-mini serve`, 1M float16 rows (256-d, exact), 8 clients, 1 / 2 workers: p50 / p99 (target 50 / 200 ms)",
+     "speed/serve_1m.json", "{latency.w1_c8.p50_ms:.0f} / {latency.w1_c8.p99_ms:.0f} ms; {latency.w2_c8.p50_ms:.0f} / "
+     "{latency.w2_c8.p99_ms:.0f} ms; failures {latency.w1_c8.failures} / {latency.w2_c8.failures}", B1M),
+    ("same, `--workers 2`: PSS of each worker / of all processes; the rows' file, resident in each worker / its PSS "
+     "there", "speed/serve_1m.json", "{memory_w2.worker_pss_mb.0:.0f} / {memory_w2.worker_pss_mb.1:.0f} / "
+     "{memory_w2.total_pss_mb:.0f} MB; {embeddings_mb:.0f} MB: {memory_w2.worker_embeddings_rss_mb.0:.0f} and "
+     "{memory_w2.worker_embeddings_rss_mb.1:.0f} / {memory_w2.worker_embeddings_pss_mb.0:.0f} and "
+     "{memory_w2.worker_embeddings_pss_mb.1:.0f} MB", B1M),
+    ("same, start-up: index opened, rows hashed / checksum remembered (target 2 s); first search answered, 1 / 2 "
+     "workers", "speed/serve_1m.json", "{startup.w1_checksum_hashed.index_open_s:.2f} / "
+     "{startup.w1_checksum_remembered.index_open_s:.2f} s; {startup.w1_checksum_remembered.first_search_s:.1f} / "
+     "{startup.w2_checksum_remembered.first_search_s:.1f} s", B1M),
+    ("same, a new 1M-row generation published while 8 clients search: p99 / max during the reload; until it answers",
+     "speed/serve_1m.json", "{swap.reloading.p99_ms:.0f} / {swap.reloading.max_ms:.0f} ms; {swap.switch_s:.1f} s; "
+     "failures {swap.failures}", B1M),
 ]
 
 # The README's summary: (question, JSON, figure template, RESULTS.md anchor). At most 10 rows, lines <= 120.

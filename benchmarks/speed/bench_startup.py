@@ -38,22 +38,26 @@ def make_model(out: Path) -> Path:
     return out
 
 
-def make_index(out: Path, model_dir: Path, rows: int, image: Path) -> Path:
+def make_index(out: Path, model_dir: Path, rows: int, image: Path, generation: int = 1, seed: int = 0) -> Path:
+    """Publish generation ``generation`` of a synthetic index at ``out``: ``rows`` random unit rows (from ``seed``)
+    and made-up paths, written as a writer does (rows atomically, then ``commit`` under the writer lock)."""
+    from clip_mini.fileio.atomic import atomic_path
     from clip_mini.retrieval.format import commit, writer_lock
     from clip_mini.fileio.manifest import read_manifest
 
     manifest = read_manifest(model_dir)
     dim = json.loads((model_dir / "config.json").read_text())["model"]["embed_dim"]
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     emb = rng.standard_normal((rows, dim)).astype(np.float32)
     emb = (emb / np.linalg.norm(emb, axis=1, keepdims=True)).astype(np.float16)
     paths = [str(image)] + [f"/photos/{i // 1000:03d}/img_{i:07d}.jpg" for i in range(1, rows)]
     items = {"path": paths, "size": [100_000] * rows, "mtime_ns": [0] * rows,
              "sha256": [hashlib.sha256(p.encode()).hexdigest() for p in paths], "caption": [""] * rows}
     with writer_lock(out):
-        np.save(out / "embeddings-1.npy", emb)
-        commit(out, 1, items, {"model_fingerprint": manifest["fingerprint"], "model_dir": str(model_dir),
-                               "source": "synthetic", "shard": None}, progress=False)
+        with atomic_path(out / f"embeddings-{generation}.npy") as tmp, open(tmp, "wb") as f:
+            np.save(f, emb)
+        commit(out, generation, items, {"model_fingerprint": manifest["fingerprint"], "model_dir": str(model_dir),
+                                        "source": "synthetic", "shard": None}, progress=False)
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -77,8 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = Service(cfg)
     gen = service.watcher.current
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"serving {args.index} ({len(gen.index)} images, generation {gen.number}, model "
-          f"{service.engine.fingerprint}) on http://{host}:{args.port}/", flush=True)
+    print(f"serving {args.index} ({len(gen.index)} images, generation {gen.number} opened in {gen.open_s:.2f} s, "
+          f"model {service.engine.fingerprint}) on http://{host}:{args.port}/", flush=True)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     from clip_mini.serve.protocol import uvicorn_settings
@@ -87,7 +88,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers == 1:
         uvicorn.run(create_app(cfg, service), **run)
     else:
-        del service
+        # The workers load their own; this process only supervises them. Collected now (the service's parts refer
+        # to each other), so it does not hold the towers and a mapping of the index while it does.
+        del service, gen
+        gc.collect()
         os.environ[SERVE_CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
         uvicorn.run("clip_mini.serve.server:app_from_env", factory=True, workers=args.workers, **run)
     return 0

@@ -52,7 +52,7 @@ from clip_mini.retrieval.cutoff import resolve_min_score
 from clip_mini.retrieval.filters import SearchFilter
 from clip_mini.serve.admission import BoundedPool, Busy
 from clip_mini.serve.batching import SearchBatcher
-from clip_mini.serve.generations import Generation, IndexWatcher, NotServed, uses_faiss
+from clip_mini.serve.generations import FLOAT32_MAX_ROWS, Generation, IndexWatcher, NotServed, uses_faiss
 from clip_mini.serve.guards import SESSION_COOKIE, HostCheck, SecurityHeaders, TokenAuth, session_value, \
     token_matches
 from clip_mini.serve.limits import BodyTooLarge, LimitBody
@@ -80,7 +80,8 @@ class ServeConfig:
     max_k: int = 100
     max_upload_bytes: int = 10 << 20        # the image itself; a base64 JSON body may be 4/3 of this
     max_upload_pixels: int = UPLOAD_MAX_PIXELS
-    float32_cache_bytes: int = 2 << 30      # float32 copy of the rows for exact search up to this size
+    float32_cache_bytes: int = 2 << 30      # float32 copy of the rows for exact search up to this size ...
+    float32_max_rows: int = FLOAT32_MAX_ROWS   # ... and fewer rows than this (more: the shared memory map)
     device: str = "auto"                    # the torch model (attention maps); queries run in onnxruntime on the CPU
     encode_threads: int = 2                 # threads embedding text queries (onnxruntime releases the GIL)
     image_threads: int = 1                  # threads decoding and embedding image queries: one core at most
@@ -131,7 +132,7 @@ class Service:
         # A model that squashes the whole image to a square lets an upload shrink along each axis on its own.
         self.keep_aspect = self.engine._image_encoder().preprocess.get("resize_mode", "squash") != "squash"
         self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify,
-                                    cfg.float32_cache_bytes)
+                                    cfg.float32_cache_bytes, cfg.float32_max_rows)
         self.batcher = SearchBatcher(lambda: self.watcher.current, self._search_generation)
         self._text_pool = ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="clip-mini-text")
         self.image_pool = BoundedPool(cfg.image_threads, cfg.image_queue, "image")
@@ -389,11 +390,13 @@ class Service:
             reload_error = reload_error.replace(str(Path(self.cfg.index).resolve()), Path(self.cfg.index).name)
         return {"model": Path(self.model_dir).name, "model_fingerprint": self.engine.fingerprint,
                 "index": Path(self.cfg.index).resolve().name, "index_size": len(gen.index), "dim": gen.index.dim,
-                "generation": gen.number, "loaded_at": gen.loaded_at, "reload_error": reload_error,
+                "generation": gen.number, "loaded_at": gen.loaded_at, "index_open_s": round(gen.open_s, 3),
+                "reload_error": reload_error,
                 "towers": {"text": "loaded", "image": "loaded", "attention": self.maps.state},
                 "backend": {"query_encoder": self.engine.runtime(), "attention": "torch",
                             "search": "faiss" if uses_faiss(gen.index) else "exact",
                             "float32_rows_in_memory": gen.rows32 is not None,
+                            "float32_rows_bytes": 0 if gen.rows32 is None else int(gen.rows32.nbytes),
                             "batches": self.batcher.batches, "batched_queries": self.batcher.queries,
                             "image_queries_in_flight": self.image_pool.admitted,
                             "image_queries_refused": self.image_pool.refused,

@@ -7,10 +7,14 @@ reference: one assignment, so a request that took ``current`` keeps a single con
 life, and requests never wait for a load. A generation that fails to open leaves the old one serving and is
 reported in ``reload_error`` (``/api/info``).
 
-Exact search over the stored float16 rows is dominated by converting them to float32 on every query; a server
-searches the same rows thousands of times, so each generation keeps a float32 copy in memory when it fits
-``float32_cache_bytes`` (100k rows of 128 floats: 51 MB) and scores it with one product. Conversion is exact: the
-scores are the library's.
+A small index is searched by the numpy kernel, whose cost is converting the stored float16 rows to float32 on
+every query; a server searches the same rows thousands of times, so a generation of fewer than ``float32_max_rows``
+rows (and at most ``float32_cache_bytes``) keeps a float32 copy in memory and scores it with one product.
+Conversion is exact: the scores are the library's. A larger one is searched where it lies, through its read-only
+memory map, by the library's kernels that read 16-bit rows in place (``clip_mini.retrieval.search``): the map's
+pages are the page cache's, so ``--workers N`` hold one copy of the rows between them (a private float32 copy would
+be twice the file's size in every worker, and a reload would need room for two of them), and opening a
+generation reads nothing but its checksums.
 
 Files are served only from inside the index's image root (``Generation.image_file``): the items file and its
 checksums detect damage, not tampering, so a row rewritten to name any other file on the disk must not make the
@@ -41,6 +45,9 @@ from clip_mini.retrieval.index import EmbeddingIndex
 
 log = logging.getLogger("clip_mini.serve")
 KEEP_GENERATIONS = 2   # the current one and the one before it (what a writer also keeps on disk)
+# Below this many rows a float32 copy of a generation is kept (the numpy kernel, auto's pick there, converts the
+# float16 rows on every query); from it on the rows are searched in place (benchmarks/speed/bench_serve.py --arm 1m)
+FLOAT32_MAX_ROWS = S.FAISS_SCAN_MIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Generation:
     rows32: Optional[np.ndarray] = None   # float32 copy of the rows for exact search, when it fits the cache
     root: str = "/"        # the folder the rows' images lie in, as the index records it (paths are shown from here)
     real_root: str = "/"   # the same, symlinks resolved: what a served file must lie under
+    open_s: float = 0.0    # seconds this server took to open it (checksums, memory map, items, float32 copy)
 
     def search(self, queries: np.ndarray, k: int, where: Optional[SearchFilter] = None
                ) -> tuple[np.ndarray, np.ndarray]:
@@ -128,13 +136,15 @@ class IndexWatcher:
         fingerprint: the query model's fingerprint; a generation built by another model is refused.
         poll_s: seconds between manifest checks in the background thread (``start``); ``refresh`` checks now.
         verify: check the data files' sha256 when opening a generation.
-        float32_cache_bytes: keep a float32 copy of a generation's rows up to this size (0: never).
+        float32_cache_bytes: keep a float32 copy of a generation's rows up to this size (0: never) ...
+        float32_max_rows: ... and only when it has fewer rows than this; a larger generation is searched through
+            its shared memory map.
     """
 
     def __init__(self, path: str | Path, fingerprint: str, poll_s: float = 1.0, verify: bool = True,
-                 float32_cache_bytes: int = 2 << 30):
+                 float32_cache_bytes: int = 2 << 30, float32_max_rows: int = FLOAT32_MAX_ROWS):
         self.path, self.fingerprint, self.poll_s, self.verify = Path(path), fingerprint, poll_s, verify
-        self.float32_cache_bytes = float32_cache_bytes
+        self.float32_cache_bytes, self.float32_max_rows = float32_cache_bytes, float32_max_rows
         self.reload_error: Optional[str] = None
         self._failed_stamp: Optional[tuple] = None
         self._lock = threading.Lock()   # one reload at a time; readers never take it
@@ -149,12 +159,15 @@ class IndexWatcher:
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def _open(self, stamp: tuple) -> Generation:
+        start = time.perf_counter()
         index = EmbeddingIndex.load(self.path, verify=self.verify)
         index.check_model(self.fingerprint, "the server's model")
         rows32 = None
-        if not uses_faiss(index) and len(index) * index.dim * 4 <= self.float32_cache_bytes:
+        if (not uses_faiss(index) and len(index) < self.float32_max_rows
+                and len(index) * index.dim * 4 <= self.float32_cache_bytes):
             rows32 = np.asarray(index.embeddings, dtype=np.float32)
-        return Generation(index, stamp, time.time(), rows32, *image_roots(index))
+        roots = image_roots(index)
+        return Generation(index, stamp, time.time(), rows32, *roots, open_s=time.perf_counter() - start)
 
     def generation(self, number: Optional[int]) -> Optional[Generation]:
         """The current generation (``number`` None) or a recent one by number; None once it has been dropped."""
@@ -186,7 +199,7 @@ class IndexWatcher:
             recent[new.number] = new
             self._recent = dict(sorted(recent.items())[-KEEP_GENERATIONS:])
             self.current = new   # the swap: one reference assignment
-            log.info("now serving generation %d (%d images)", new.number, len(new.index))
+            log.info("now serving generation %d (%d images, opened in %.2f s)", new.number, len(new.index), new.open_s)
             return True
 
     # -- background polling ---------------------------------------------------------------------------------
