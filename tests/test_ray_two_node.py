@@ -1,5 +1,5 @@
 """A real two-node Ray cluster on this box: ``ray start --head`` and ``ray start --address HEAD`` as separate nodes
-(own IP on the loopback, 127.0.0.1 and 127.0.0.2, own ports and object stores), and ``clip-mini index --shards
+(own IPs, the machine's and 127.0.0.2, own ports, object stores and working folders), and ``clip-mini index --shards
 PATTERN --ray HEAD`` run as a driver that joins them:
 
 - rows are embedded on both nodes (the report names each node and its rows) and the index equals the

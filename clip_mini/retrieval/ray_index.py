@@ -270,6 +270,7 @@ def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers
                   f"{len(set(todo) - run.done)} unfinished shards again on the nodes left", file=sys.stderr)
         else:
             _note_lost(ray, before, report)   # Ray Data may have recovered by itself
+            break
     report.addresses.update(_addresses(ray))
     missing = [u for u in pending if u not in run.done]
     if missing:
