@@ -24,9 +24,12 @@ from typing import Optional
 
 MARKER = "CLIP_MINI_RAY_CLUSTER_NODE"
 # The GCS calls a node dead after 3 missed checks 0.5 s apart (Ray's defaults: 5 x 3 s), so a killed node is
-# noticed in seconds; no usage report is sent (nothing leaves the machine).
+# noticed in seconds; no usage report is sent (nothing leaves the machine). Token authentication is off for every
+# node alike: unset, a head turns it on when ~/.ray/auth_token exists (which a local ray.init writes) and a worker
+# does not, and the worker cannot join.
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
-           "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "0"}
+           "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "0",
+           "RAY_AUTH_MODE": "disabled"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
