@@ -37,7 +37,6 @@ _PART_ROWS = 4096         # rows per index part written by the driver
 CONNECT_TIMEOUT_S = 25.0  # joining a cluster: the port check and ray.init together
 _PORT_CHECK_S = 5.0       # the TCP check of the head's port
 RETRIES = 2               # passes run again after a node was lost
-ACTOR_START_S = 300       # a pass waits this long for all its embedding actors before any batch goes out
 # columns the driver reads besides ROW_FIELDS: the row's number in its shard's read and how many the read gave,
 # a marker row (an empty shard's only row: no sample, no skip), why the sample was skipped, the nodes
 _EXTRA = ("seq", "of", "mark", "reason", "read_node")
@@ -236,7 +235,8 @@ def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers
     """Run the pipeline over ``pending`` shards, writing a part per ``part_rows`` rows; returns the report.
 
     ``precision`` may be "auto" and ``device`` any ``--device``: each actor resolves both where it runs. A pass that
-    fails after a node left the cluster runs again for the shards not complete, at most ``retries`` times.
+    fails after a node left the cluster, or on a Ray system error (``_system_error``), runs again for the shards not
+    complete, at most ``retries`` times.
 
     Raises:
         EmbeddingIndexError: a pass that ended without every row of its shards (nothing is marked done then).
@@ -251,23 +251,18 @@ def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers
         before = _alive_nodes(ray)
         report.passes += 1
         try:
-            # a retry runs with the actors that fit on the nodes left (at least one); the first pass with all
-            for batch in _dataset(ray, todo, model_dir, workers, batch_size, precision, progress, device,
-                                  whole_pool=attempt == 0).iter_batches(batch_size=None, batch_format="numpy"):
+            for batch in _dataset(ray, todo, model_dir, workers, batch_size, precision, progress,
+                                  device).iter_batches(batch_size=None, batch_format="numpy"):
                 run.take(batch)
             run.flush()
         except Exception as e:   # noqa: BLE001 -- Ray's errors have no one base class (Ray Data wraps them)
             run.flush()   # what came is kept: the next pass, or the next run, starts after it
             lost = _note_lost(ray, before, report)
-            if isinstance(e, ray.exceptions.GetTimeoutError) and "starting actors" in str(e):
-                raise EmbeddingIndexError(
-                    f"--ray-workers {workers}: the Ray cluster did not start {workers} embedding actors within "
-                    f"{ACTOR_START_S} s; each takes 1 CPU{' and 1 GPU' if actor_gpus(ray, device) else ''} "
-                    f"(free now: {_free(ray)}), and the read tasks need a CPU more") from None
-            if not lost or attempt == retries or isinstance(e, EmbeddingIndexError):
+            if not (lost or _system_error(ray, e)) or attempt == retries or isinstance(e, EmbeddingIndexError):
                 raise
-            print(f"ray: {len(lost)} node(s) left the cluster during the pass ({type(e).__name__}); running the "
-                  f"{len(set(todo) - run.done)} unfinished shards again on the nodes left", file=sys.stderr)
+            why = f"{len(lost)} node(s) left the cluster" if lost else "a Ray actor or object was lost"
+            print(f"ray: {why} during the pass ({type(e).__name__}: {str(e).splitlines()[0][:200]}); running the "
+                  f"{len(set(todo) - run.done)} unfinished shards again", file=sys.stderr)
         else:
             _note_lost(ray, before, report)   # Ray Data may have recovered by itself
             break
@@ -281,20 +276,26 @@ def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers
 
 
 def _dataset(ray, shards: Sequence[str], model_dir: str, workers: int, batch_size: int, precision: str,
-             progress: bool, device: str, whole_pool: bool = True):
-    """The pipeline. ``whole_pool``: ``workers`` actors, and no batch goes out before they all run (so every node
-    with an actor gets work, and a cluster too small for them is an error, not a stall); else 1 to ``workers``."""
+             progress: bool, device: str):
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = progress
-    ctx.wait_for_min_actors_s = ACTOR_START_S
     ds = ray.data.from_items([{"shard": u} for u in shards], override_num_blocks=len(shards))
     ds = ds.flat_map(read_shard_rows)
     # Ray Data's actor pools restart a dead actor and retry its tasks by default (max_restarts=-1)
     return ds.map_batches(EmbedActor, fn_constructor_kwargs={"model_dir": str(model_dir), "precision": precision,
                                                              "device": str(device)},
-                          compute=ray.data.ActorPoolStrategy(size=workers) if whole_pool else
-                          ray.data.ActorPoolStrategy(min_size=1, max_size=workers), batch_size=batch_size, num_cpus=1,
+                          compute=ray.data.ActorPoolStrategy(size=workers), batch_size=batch_size, num_cpus=1,
                           num_gpus=actor_gpus(ray, device), batch_format="numpy")
+
+
+def _system_error(ray, e: BaseException) -> bool:
+    """A Ray system failure (an actor or worker that died, say killed for memory; a lost object), which a new pass
+    may not meet again. A constructor that raises (no model directory on a node) is an ActorDiedError too, and
+    fails every pass: ``retries`` bounds that."""
+    names = ("RayActorError", "ActorDiedError", "ObjectLostError", "WorkerCrashedError", "NodeDiedError",
+             "OwnerDiedError", "RaySystemError")
+    kinds = tuple(k for k in (getattr(getattr(ray, "exceptions", None), n, None) for n in names) if isinstance(k, type))
+    return bool(kinds) and isinstance(e, kinds)
 
 
 def _note_lost(ray, before: set[str], report: RayReport) -> list[str]:
@@ -302,14 +303,6 @@ def _note_lost(ray, before: set[str], report: RayReport) -> list[str]:
     lost = sorted(before - _alive_nodes(ray))
     report.lost_nodes += [n for n in lost if n not in report.lost_nodes]
     return lost
-
-
-def _free(ray) -> str:
-    try:
-        free = ray.available_resources()
-        return ", ".join(f"{k} {v:g}" for k, v in sorted(free.items()) if k in ("CPU", "GPU")) or "nothing"
-    except Exception:   # noqa: BLE001
-        return "unknown"
 
 
 def _alive_nodes(ray) -> set[str]:
