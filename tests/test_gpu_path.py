@@ -178,6 +178,9 @@ class _FakeRay:
     def cluster_resources(self):
         return {"CPU": 4.0, **({"GPU": float(self.gpus)} if self.gpus else {})}
 
+    def nodes(self):
+        return []
+
 
 class _FakeDataset:
     def __init__(self, ray, items):
@@ -190,8 +193,12 @@ class _FakeDataset:
         self.ray.map_kwargs = kw
         return self
 
-    def iter_batches(self, **kw):
-        return iter(())
+    def iter_batches(self, **kw):   # each shard's read gave one marker row (an empty shard)
+        from clip_mini.retrieval.ray_index import ROW_FIELDS
+
+        rows = [{**{f: 0 for f in ROW_FIELDS}, "shard": it["shard"], "key": "", "seq": 0, "of": 1, "mark": True,
+                 "reason": "", "read_node": "n", "embed_node": "n"} for it in self.items]
+        return iter([{k: [r[k] for r in rows] for k in rows[0]}] if rows else [])
 
 
 @pytest.mark.parametrize("device,gpus,want_gpus,actor", [("cuda:1", 2, 1, "cuda"), ("auto", 2, 1, "auto"),

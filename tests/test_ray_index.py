@@ -74,7 +74,7 @@ def test_a_killed_worker_loses_and_duplicates_nothing(local_ray, shards, model_d
     out, killed, received = tmp_path / "ix", [], []
 
     def embed(pending, parts):   # small batches and parts: the kill lands while rows are flowing
-        received.append(embed_with_ray(pending, parts, str(model_dir), 2, 4, "fp32", False, part_rows=20))
+        received.append(embed_with_ray(pending, parts, str(model_dir), 2, 4, "fp32", False, part_rows=20).received)
 
     result = {}
     run = threading.Thread(target=lambda: result.update(

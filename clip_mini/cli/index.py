@@ -170,7 +170,8 @@ def _index_shards(args: argparse.Namespace, progress: bool) -> int:
         # driver's own model, which only checks and records the index, stays on its CPU.
         embedder = load(args.model, device="cpu", batch_size=args.batch_size)
         precision = args.precision
-        embed = ray_embedder(args.model, None if args.ray == "local" else args.ray, args.ray_workers,
+        # the actors load the model where they run, in their own working folder: an absolute path
+        embed = ray_embedder(os.path.abspath(args.model), None if args.ray == "local" else args.ray, args.ray_workers,
                              args.batch_size, precision, progress, device=args.device)
     else:
         embedder = load(args.model, device=args.device, batch_size=args.batch_size)
@@ -179,6 +180,11 @@ def _index_shards(args: argparse.Namespace, progress: bool) -> int:
     index = index_shards(args.out, embedder, shards, batch_size=args.batch_size, precision=precision,
                          faiss=args.faiss, source=args.shards, model_dir=args.model, progress=progress, embed=embed,
                          dtype=args.dtype)
+    report = getattr(embed, "report", None)   # a Ray pass: where the rows were read and embedded
+    if report is not None:
+        lines = report.lines()
+        for line in lines if progress else [ln for ln in lines if not ln.startswith("ray:   node ")]:
+            print(line)
     print(f"index {index.path}: {len(index)} images from {len(shards)} shards, generation "
           f"{index.manifest['generation']}")
     return 0
