@@ -55,6 +55,12 @@ VARIANTS = {
     # on sin-cos positions: half the warm-up (now the base); the text tower at the heads' rate
     "warm50": ["model.vision.pos_init=sincos", "train.warmup_steps=50"],
     "lrtext2": ["model.vision.pos_init=sincos", W, "train.lr_text=2.0e-3"],
+    # on the base (sin-cos, 50 warm-up steps): more steps in the budget (smaller images, fewer tokens), a higher
+    # peak rate, a sharper start of the temperature
+    "s48": ["model.vision.image_size=48"],
+    "p16": ["model.vision.patch_size=16"],
+    "lr3": ["train.lr=3.0e-3"],
+    "logit4": ["model.init_logit_scale=4.0"],
 }
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
