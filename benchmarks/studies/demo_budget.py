@@ -61,6 +61,9 @@ VARIANTS = {
     "p16": ["model.vision.patch_size=16"],
     "lr3": ["train.lr=3.0e-3"],
     "logit4": ["model.init_logit_scale=4.0"],
+    # on 16 px patches (4 x 4 tokens, about 2.3x the steps): the steps spent on depth, or a longer warm-up
+    "p16d6": ["model.vision.patch_size=16", "model.vision.depth=6"],
+    "p16w100": ["model.vision.patch_size=16", "train.warmup_steps=100"],
 }
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
