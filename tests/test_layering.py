@@ -17,7 +17,7 @@ RETRIEVAL_ORDER = ["rows", "cutoff", "search", "items", "taken", "faiss_auto", "
                    "files", "reader", "filters", "build", "shards", "wds_source", "ray_index", "preprocess_np", "query",
                    "engine", "index"]
 # retrieval/search/: the modules of the search package, each importing only those before it
-SEARCH_ORDER = ["bounds", "shortlist", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
+SEARCH_ORDER = ["bounds", "shortlist", "groups", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
                 "approximate", "dispatch"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {

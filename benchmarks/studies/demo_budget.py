@@ -36,34 +36,35 @@ CONFIG = "configs/tiny.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "studies" / "demo_budget.json"
 TARGET = 14            # of the top 16 on the left, in every seed on every CPU kind (issue 47)
 DEMO_TARGET_S = 300    # make demo after the install
-# the levers: overrides on top of configs/tiny.yaml (its budget included)
-# the levers screened before configs/tiny.yaml started from sin-cos positions and warmed up in 50 steps
-R, W = "model.vision.pos_init=random", "train.warmup_steps=100"
+# the levers: overrides on top of configs/tiny.yaml (its budget included); each names every setting it ran with
+# that the config has since changed, so its rerun command reproduces its row
+P8, R, W = "model.vision.patch_size=8", "model.vision.pos_init=random", "train.warmup_steps=100"
+S, W50 = "model.vision.pos_init=sincos", "train.warmup_steps=50"
 VARIANTS = {
     "base": [],
-    "random": [R, W],
-    "small48": [R, W, "model.vision.image_size=48"],
-    "batch32": [R, "train.batch_size=32", "train.warmup_steps=50"],
-    "small48_batch32": [R, "model.vision.image_size=48", "train.batch_size=32", "train.warmup_steps=50"],
-    "depth3": [R, W, "model.vision.depth=3"],
+    "random": [P8, R, W],
+    "small48": [P8, R, W, "model.vision.image_size=48"],
+    "batch32": [P8, R, "train.batch_size=32", W50],
+    "small48_batch32": [P8, R, "model.vision.image_size=48", "train.batch_size=32", W50],
+    "depth3": [P8, R, W, "model.vision.depth=3"],
     # label-consistent mirroring (clip_mini/data/mirror.py): every source beside its flipped self with "left" and
     # "right" swapped (hard negatives that differ only in position), or the swapped flip alone, p = 0.5 per sample
-    "mirror": [R, W, "data.mirror_pairs=true", "data.hflip=swap"],
-    "swap": [R, W, "data.hflip=swap"],
+    "mirror": [P8, R, W, "data.mirror_pairs=true", "data.hflip=swap"],
+    "swap": [P8, R, W, "data.hflip=swap"],
     # the ViT's learned positions started as MAE's 2D sin-cos table instead of timm's random ones
-    "sincos": ["model.vision.pos_init=sincos", W],
-    # on sin-cos positions: half the warm-up (now the base); the text tower at the heads' rate
-    "warm50": ["model.vision.pos_init=sincos", "train.warmup_steps=50"],
-    "lrtext2": ["model.vision.pos_init=sincos", W, "train.lr_text=2.0e-3"],
-    # on the base (sin-cos, 50 warm-up steps): more steps in the budget (smaller images, fewer tokens), a higher
-    # peak rate, a sharper start of the temperature
-    "s48": ["model.vision.image_size=48"],
-    "p16": ["model.vision.patch_size=16"],
-    "lr3": ["train.lr=3.0e-3"],
-    "logit4": ["model.init_logit_scale=4.0"],
-    # on 16 px patches (4 x 4 tokens, about 2.3x the steps): the steps spent on depth, or a longer warm-up
-    "p16d6": ["model.vision.patch_size=16", "model.vision.depth=6"],
-    "p16w100": ["model.vision.patch_size=16", "train.warmup_steps=100"],
+    "sincos": [P8, S, W],
+    # on sin-cos positions: half the warm-up; the text tower at the heads' rate
+    "warm50": [P8, S, W50],
+    "lrtext2": [P8, S, W, "train.lr_text=2.0e-3"],
+    # on sin-cos and 50 warm-up steps: more steps in the budget (smaller images, fewer tokens), a higher peak rate,
+    # a sharper start of the temperature
+    "s48": [P8, S, W50, "model.vision.image_size=48"],
+    "p16": [S, W50, "model.vision.patch_size=16"],
+    "lr3": [P8, S, W50, "train.lr=3.0e-3"],
+    "logit4": [P8, S, W50, "model.init_logit_scale=4.0"],
+    # on 16 px patches (4 x 4 tokens, about 2.3x the steps): the steps spent on depth, or 100 warm-up steps
+    "p16d6": [S, W50, "model.vision.patch_size=16", "model.vision.depth=6"],
+    "p16w100": [S, "model.vision.patch_size=16", W],
 }
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
