@@ -61,7 +61,7 @@ def rounded(d: dict, n: int = 4) -> dict:
 def rule_row(name, cases, removed_top, fit_mask, score_mask, k, hit_keep, score_rule, fit_rule) -> dict:
     rule = fit_rule(subset(cases, fit_mask), k, hit_keep=hit_keep)
     held = score_rule(subset(cases, score_mask), rule["cutoff_cosine"], rule["cutoff_best_cosine"], k)
-    return {"rule": name, "hit": rule["cutoff_cosine"], "best": rule["cutoff_best_cosine"],
+    return {"rule": name, "hit_keep": hit_keep, "hit": rule["cutoff_cosine"], "best": rule["cutoff_best_cosine"],
             "fit": rounded({"kept": rule["cutoff_kept"], "empty_when_removed": rule["cutoff_empty"]}),
             "held_out": rounded({**held, "false_hits_when_removed": false_hits(
                 removed_top[score_mask], rule["cutoff_cosine"], rule["cutoff_best_cosine"])}, 4)}
