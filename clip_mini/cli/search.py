@@ -65,9 +65,10 @@ def add_arguments(sub) -> argparse.ArgumentParser:
                     help="only photos taken before the start of DATE (same formats): --after 2024-01-01 "
                          "--before 2025-01-01 is the year 2024")
     co = se.add_argument_group(
-        "cut-off", "stop listing photos when nothing matches: by default a hit must reach the model's own cut-off, a "
-                   "cosine calibrated on its validation split when it was trained (it keeps 90%% of the captions "
-                   "whose photo ranks in the top 5); a model without one lists the top -k")
+        "cut-off", "stop listing photos when nothing matches: by default the model's own cut-off, calibrated on its "
+                   "validation split when it was trained, lists nothing unless the best hit reaches one cosine, and "
+                   "then the hits that reach another (90%% of the captions whose photo ranks in the top 5 still list "
+                   "it); a model without one lists the top -k")
     co.add_argument("--cutoff", default="auto", choices=["auto", "none"],
                     help="auto: the model's calibrated cut-off; none: list the top -k whatever they score")
     co.add_argument("--min-score", type=float, metavar="S",
@@ -110,9 +111,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     results = [{"rank": h["rank"], "score": round(h["score"], 6), "path": h["path"], "caption": h["caption"]}
                for h in hits]
     if hits.below and not args.quiet:
-        rule = (f"--min-score {args.min_score:g}" if args.min_score is not None
-                else f"the model's cut-off {hits.min_score:.3f} (calibrated on its validation split)")
         best, hint = hits.best_below, "--cutoff none" if args.min_score is None else "a lower --min-score"
+        if args.min_score is not None:
+            rule = f"--min-score {args.min_score:g}"
+        elif hits:
+            rule = f"the model's cut-off {hits.min_score:.3f} for each hit (calibrated on its validation split)"
+        else:
+            rule = f"the model's cut-off {hits.min_best:.3f} for the best hit (calibrated on its validation split)"
         if hits:
             print(f"note: {hits.below} more of the top {args.k} fall below {rule}; {hint} lists them",
                   file=sys.stderr)
@@ -148,7 +153,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         print_json({"query": query, "image": args.image, "index": str(index.path),
                     "terms": [{"image" if t.is_image else "text": str(t.value), "weight": t.weight} for t in terms],
                     **({"filters": flt.describe(), "passing": len(kept)} if kept is not None else {}),
-                    "min_score": hits.min_score, "below_min_score": hits.below,
+                    "min_score": hits.min_score, "min_best": hits.min_best, "below_min_score": hits.below,
                     "model_fingerprint": index.fingerprint, "results": results})
     else:
         print_results(results)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from clip_mini.retrieval.build import sync_index
-from clip_mini.retrieval.cutoff import HitList, check_cutoff, resolve_min_score
+from clip_mini.retrieval.cutoff import HitList, check_cutoff, resolve_cutoff, split_hits
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.filters import SearchFilter, merge as merge_filters, search as filtered_search
 from clip_mini.retrieval.format import EmbeddingIndexError
@@ -125,11 +125,12 @@ class EmbeddingIndex(IndexReader):
         and ``clip-mini search`` return. Filters as ``search``: a list is shorter than ``k`` only when fewer rows
         pass.
 
-        A cut-off drops the hits below a cosine (``clip_mini.retrieval.cutoff``): ``cutoff="auto"`` the model's
-        own, calibrated on its val split when it was trained (none for a model without one), ``min_score`` one of
-        your own. Each list (a ``HitList``) counts the hits it dropped (``below``), keeps the best of them
-        (``best_below``) and the cosine used (``min_score``), so a caller can say "no good match" rather than
-        print nothing.
+        A cut-off (``clip_mini.retrieval.cutoff``, the one rule ``clip-mini search`` and ``clip-mini serve`` use):
+        ``cutoff="auto"`` the model's own, calibrated on its val split when it was trained (none for a model
+        without one): a list is empty unless its best hit reaches one cosine, and then holds the hits that reach
+        another; ``min_score`` a cosine of your own that every hit must reach. Each list (a ``HitList``) counts
+        the hits it dropped (``below``), keeps the best of them (``best_below``) and the cosines used
+        (``min_score``, ``min_best``), so a caller can say "no good match" rather than print nothing.
         """
         if sum(x is not None for x in (texts, images, terms)) != 1:
             raise EmbeddingIndexError("hits needs texts, images or terms (exactly one)")
@@ -146,16 +147,16 @@ class EmbeddingIndex(IndexReader):
             scores, ids = filtered_search(self, queries, k, flt)
         else:
             scores, ids = super().search(queries, k, backend)
-        floor = resolve_min_score(cutoff, min_score, self._model_dir(model_dir))
+        rule = resolve_cutoff(cutoff, min_score, self._model_dir(model_dir))
         out = []
         for row_ids, row_scores in zip(ids, scores):
             found = [{"score": float(s), "path": self.items["path"][i], "caption": self.items["caption"][i],
                       "row": int(i)} for i, s in zip(row_ids, row_scores) if i >= 0]
-            passes = [floor is None or h["score"] >= floor for h in found]
+            passes = split_hits([h["score"] for h in found], rule)
             kept = HitList({"rank": r + 1, **h} for r, h in enumerate(h for h, ok in zip(found, passes) if ok))
             kept.below = passes.count(False)
             kept.best_below = next((h for h, ok in zip(found, passes) if not ok), None)
-            kept.min_score = floor
+            kept.min_score, kept.min_best = (None, None) if rule is None else (rule.hit, rule.best)
             out.append(kept)
         return out
 

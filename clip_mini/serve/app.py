@@ -48,7 +48,7 @@ from clip_mini.errors import FilterError, InputError
 from clip_mini.retrieval.engine import QueryEngine
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.features.terms import QueryError, Term, parse_term, single_caption
-from clip_mini.retrieval.cutoff import resolve_min_score
+from clip_mini.retrieval.cutoff import Cutoff, resolve_cutoff, split_hits
 from clip_mini.retrieval.filters import SearchFilter
 from clip_mini.serve.admission import BoundedPool, Busy
 from clip_mini.serve.batching import SearchBatcher
@@ -199,7 +199,7 @@ class Service:
             raise ApiError(400, _public(str(e), gen)) from None
 
     async def search_text(self, q: Optional[str], k: int, without: Sequence[str] = (),
-                          where: Optional[SearchFilter] = None, floor: Optional[float] = None) -> dict:
+                          where: Optional[SearchFilter] = None, floor: Optional[Cutoff] = None) -> dict:
         if q is None or not q.strip():
             raise ApiError(400, "the query q is empty: type some words describing the image")
         terms = self.query_terms(q, without)
@@ -212,7 +212,7 @@ class Service:
                 "explainable": single_caption(terms) is not None}   # /api/explain draws maps for this query
         return await self._results(features, k, start, head, where, floor)
 
-    async def search_image(self, upload: Upload, floor: Optional[float] = None) -> dict:
+    async def search_image(self, upload: Upload, floor: Optional[Cutoff] = None) -> dict:
         """Parse, decode and embed an upload on the image pool (503 when it is full), then search."""
         if not upload.is_json:
             self.check_k(upload.k)
@@ -260,27 +260,30 @@ class Service:
             raise ApiError(413, f"{name}: decoding this image needs more memory than the server has free; send a "
                                 f"smaller image") from None
 
-    def min_score(self, cutoff: Optional[str], min_score: Optional[float]) -> Optional[float]:
-        """The cosine a hit must reach (``clip_mini.retrieval.cutoff``): ``min_score``, else the model's calibrated
-        cut-off with ``cutoff=auto`` (the default), none with ``cutoff=none``."""
+    def min_score(self, cutoff: Optional[str], min_score: Optional[float]) -> Optional[Cutoff]:
+        """The rule hits must pass (``clip_mini.retrieval.cutoff``, the one ``clip-mini search`` uses):
+        ``min_score`` for every hit, else the model's calibrated cut-off with ``cutoff=auto`` (the default), none
+        with ``cutoff=none``."""
         if min_score is not None and not np.isfinite(min_score):
             raise ApiError(400, f"min_score {min_score!r} is not a finite number")
         try:
-            return resolve_min_score("auto" if cutoff is None else cutoff, min_score, self.model_dir)
+            return resolve_cutoff("auto" if cutoff is None else cutoff, min_score, self.model_dir)
         except QueryError as e:
             raise ApiError(400, str(e)) from None
 
     async def _results(self, features: np.ndarray, k: int, start: float, head: dict,
-                       where: Optional[SearchFilter] = None, floor: Optional[float] = None) -> dict:
+                       where: Optional[SearchFilter] = None, floor: Optional[Cutoff] = None) -> dict:
         # One generation for the whole answer: ids, paths and scores agree (the batcher searched that one).
         gen, scores, ids = await asyncio.wrap_future(self.batcher.submit(features, k, where))
         if where is not None:
             head = {**head, "filters": where.describe(), "passing": len(where.rows(gen.index))}
         index = gen.index
         found = [(int(i), float(s)) for i, s in zip(ids, scores) if i >= 0]
-        passing = [(i, s) for i, s in found if floor is None or s >= floor]
-        below = [s for i, s in found if floor is not None and s < floor]
-        head = {**head, "min_score": floor, "below": len(below),
+        passes = split_hits([s for _, s in found], floor)
+        passing = [f for f, ok in zip(found, passes) if ok]
+        below = [s for (_, s), ok in zip(found, passes) if not ok]
+        head = {**head, "min_score": None if floor is None else floor.hit,
+                "min_best": None if floor is None else floor.best, "below": len(below),
                 **({"best_below": round(below[0], 6)} if below else {})}
         results = []
         for rank, (i, s) in enumerate(passing, 1):

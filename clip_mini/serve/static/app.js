@@ -73,9 +73,10 @@ function render(answer, what, query = null) {
   grid.dataset.query = what;
   showExplained();
   const n = answer.results.length;
-  if (!n && answer.below) {   // every hit fell below the model's cut-off: say so instead of a wall of weak hits
+  if (!n && answer.below) {   // the best hit fell below the model's cut-off: say so instead of a wall of weak hits
+    const floor = answer.min_best ?? answer.min_score;
     setStatus(`No good match for ${what}: the nearest photo scores ${answer.best_below.toFixed(3)}, below this ` +
-              `model's cut-off ${answer.min_score.toFixed(3)}.`);
+              `model's cut-off ${floor.toFixed(3)}.`);
     const more = document.createElement("button");
     more.type = "button";
     more.id = "show-weak";
