@@ -814,9 +814,10 @@ def demo_budget(doc: Doc) -> None:
     for i, d in enumerate(data.get("demo", [])):
         text, src = fill(f, "`make demo` from a fresh copy of the tree, after the install: **{demo.%d.wall_s:.0f} s** "
                             "(target {demo.%d.target_s} s), training {demo.%d.train_s:.0f} s in {demo.%d.steps} "
-                            "steps ({demo.%d.precision}, positions started {demo.%d.pos_init}, warm-up "
-                            "{demo.%d.warmup_steps} steps), {demo.%d.large_red_circle_on_left} of 16 on the left; "
-                            "on the %s.\n" % (i, i, i, i, i, i, i, i, cpu_kind(f)))
+                            "steps ({demo.%d.precision}, {demo.%d.patch_size} px patches, positions started "
+                            "{demo.%d.pos_init}, warm-up {demo.%d.warmup_steps} steps), "
+                            "{demo.%d.large_red_circle_on_left} of 16 on the left; on the %s.\n"
+                            % (i, i, i, i, i, i, i, i, i, cpu_kind(f)))
         doc.add(text, src)
 
 

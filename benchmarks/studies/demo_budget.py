@@ -131,11 +131,13 @@ def demo_end_to_end() -> dict:
 
 
 def _tiny_start() -> dict:
-    """How configs/tiny.yaml starts: the positions' init and the warm-up steps."""
+    """How configs/tiny.yaml is set up: the ViT's patch size, the positions' init and the warm-up steps."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / CONFIG).read_text())
-    return {"pos_init": cfg["model"]["vision"].get("pos_init", "random"), "warmup_steps": cfg["train"]["warmup_steps"]}
+    vision = cfg["model"]["vision"]
+    return {"patch_size": vision.get("patch_size", 8), "pos_init": vision.get("pos_init", "random"),
+            "warmup_steps": cfg["train"]["warmup_steps"]}
 
 
 def _write(runs: list, demo: dict | None) -> dict:
