@@ -2,8 +2,8 @@
 
 Where the map points is scored with the session's tiny trained model on images it never trained on (always run)
 and, when asked for, with a fully trained demo model (``CLIP_MINI_DEMO_MODEL=DIR``, e.g. ``runs/tiny/best`` after
-``clip-mini train --config configs/tiny.yaml --set train.budget=null``: a 3-minute ``make demo`` model of 8 px patches pointed at
-0.6 here, so the test is not run on whatever ``runs/tiny/best`` holds).
+``clip-mini train --config configs/tiny.yaml --set train.budget=null``: a 3-minute ``make demo`` model of 8 px
+patches pointed at 0.6 here, so the test is not run on whatever ``runs/tiny/best`` holds).
 The tiny model sees 32 px through a 4x4 patch grid, so its peak often sits in a cell that straddles the object:
 it is scored by where the map's mass lies (the energy pointing game), the demo model by its peak. The mechanics
 (shape, range, text dependence, bad input, the CLI picture, threads) run on the fixtures.
