@@ -232,11 +232,13 @@ def _profile(step, steps: int = 3) -> dict:
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def bench_peer(batch_size: int, rounds: int, warmup: int, bf16: bool = True) -> dict:
+def bench_peer(batch_size: int, rounds: int, warmup: int, bf16: bool = True, compiled: bool = True) -> dict:
     """Interleaved rounds of: fp32 peak, bf16 peak, then one step of each arm. fp32 arms always (clip_mini, without
     its attention lever, compiled; open_clip): what every CPU without native bf16 trains at. bf16 arms when
     ``bf16`` (clip_mini, without each lever, compiled, bf16 weights; open_clip, open_clip under the math SDPA
-    backend): where bf16 is emulated they would time the emulation, so the caller passes the hardware rule."""
+    backend): where bf16 is emulated they would time the emulation, so the caller passes the hardware rule.
+    ``compiled=False`` leaves the compiled arms out (inductor's compile of the step took over 15 minutes of one core
+    on the 2-core AVX2 EPYC)."""
     import statistics
 
     fp32_arms = {"clip_mini_fp32": _clip_mini_step(batch_size, precision="fp32"),
@@ -252,7 +254,8 @@ def bench_peer(batch_size: int, rounds: int, warmup: int, bf16: bool = True) -> 
                  "clip_mini_bf16_weights_compiled": _clip_mini_step(batch_size, compiled=True, bf16_weights=True),
                  "open_clip": _open_clip_step(batch_size),
                  "open_clip_math_sdpa": _open_clip_step(batch_size, math_sdpa=True)} if bf16 else {}
-    arms = {**fp32_arms, **bf16_arms}
+    arms = {name: arm for name, arm in {**fp32_arms, **bf16_arms}.items()
+            if compiled or not name.endswith("_compiled")}
     # a compiled arm does its eager twin's arithmetic; FlopCounterMode cannot see inside an inductor graph
     flops = {name: _flops(counted) for name, (_, counted) in arms.items() if not name.endswith("_compiled")}
     for name in arms:
@@ -276,7 +279,7 @@ def bench_peer(batch_size: int, rounds: int, warmup: int, bf16: bool = True) -> 
             faults[name].append(r1.ru_minflt - r0.ru_minflt)
             kernel[name].append(r1.ru_stime - r0.ru_stime)
     fp32, bf16_peak = statistics.median(peaks["fp32"]), statistics.median(peaks["bf16"])
-    out = {"batch_pairs": batch_size, "rounds": rounds, "fp32_matmul_peak_gflops": fp32,
+    out = {"batch_pairs": batch_size, "rounds": rounds, "compiled_arms": compiled, "fp32_matmul_peak_gflops": fp32,
            "bf16_matmul_peak_gflops": bf16_peak, "bf16_arms": bf16,
            "step_profile_s": {name: _profile(arms[name][0]) for name in
                               ("clip_mini_fp32", "clip_mini", "clip_mini_bf16_weights") if name in arms}}
@@ -289,8 +292,9 @@ def bench_peer(batch_size: int, rounds: int, warmup: int, bf16: bool = True) -> 
                      "page_faults_per_step": statistics.median(faults[name]),
                      "kernel_cpu_s_per_step": statistics.median(kernel[name])}
     out["fp32_speedup_vs_open_clip_fp32"] = out["open_clip_fp32"]["step_s"] / out["clip_mini_fp32"]["step_s"]
-    out["fp32_compiled_speedup_vs_open_clip_fp32"] = (out["open_clip_fp32"]["step_s"]
-                                                      / out["clip_mini_fp32_compiled"]["step_s"])
+    if compiled:
+        out["fp32_compiled_speedup_vs_open_clip_fp32"] = (out["open_clip_fp32"]["step_s"]
+                                                          / out["clip_mini_fp32_compiled"]["step_s"])
     out["fp32_plain_attention_gain"] = (out["clip_mini_fp32_without_plain_attention"]["step_s"]
                                         / out["clip_mini_fp32"]["step_s"])
     if not bf16:
@@ -299,10 +303,12 @@ def bench_peer(batch_size: int, rounds: int, warmup: int, bf16: bool = True) -> 
     out["speedup_vs_open_clip_math_sdpa"] = out["open_clip_math_sdpa"]["step_s"] / out["clip_mini"]["step_s"]
     out["plain_attention_gain"] = out["clip_mini_without_plain_attention"]["step_s"] / out["clip_mini"]["step_s"]
     out["fused_adamw_gain"] = out["clip_mini_without_fused_adamw"]["step_s"] / out["clip_mini"]["step_s"]
-    out["compile_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_compiled"]["step_s"]
     out["bf16_weights_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_bf16_weights"]["step_s"]
-    out["bf16_weights_compiled_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_bf16_weights_compiled"]["step_s"]
-    out["compiled_speedup_vs_open_clip"] = out["open_clip"]["step_s"] / out["clip_mini_compiled"]["step_s"]
+    if compiled:
+        out["compile_gain"] = out["clip_mini"]["step_s"] / out["clip_mini_compiled"]["step_s"]
+        out["bf16_weights_compiled_gain"] = (out["clip_mini"]["step_s"]
+                                             / out["clip_mini_bf16_weights_compiled"]["step_s"])
+        out["compiled_speedup_vs_open_clip"] = out["open_clip"]["step_s"] / out["clip_mini_compiled"]["step_s"]
     return out
 
 
@@ -458,6 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="flickr8k-pixels: configs/flickr8k.yaml with train.frozen_features=0; "
                    "flickr8k-compiled: with train.compile=true; flickr8k-torch-dropout: the text tower's dropout on "
                    "torch's own mask")
+    p.add_argument("--no-compile", action="store_true", help="leave the peer's compiled arms out")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plain-malloc", action="store_true",
                    help="leave glibc's malloc thresholds alone (train.py sets them: clip_mini/runtime/allocator.py)")
@@ -483,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         bf16 = args.bf16_arms == "on" or (args.bf16_arms == "auto" and cpu_native_bf16())
         for batch in args.peer_batches:
-            r = bench_peer(batch, args.rounds, args.warmup, bf16=bf16)
+            r = bench_peer(batch, args.rounds, args.warmup, bf16=bf16, compiled=not args.no_compile)
             result["peer"][str(batch)] = r
             c, o = r["clip_mini_fp32"], r["open_clip_fp32"]
             print(f"peer batch {batch} fp32: clip_mini {c['pairs_per_s']:.0f} pairs/s ({c['achieved_gflops']:.0f} "
