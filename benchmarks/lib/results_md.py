@@ -301,6 +301,12 @@ TRAIN = [
      "{peer.128.clip_mini.pairs_per_s:.0f} vs {peer.128.open_clip.pairs_per_s:.0f} "
      "({peer.128.speedup_vs_open_clip:.2f}x); compiled {peer.128.clip_mini_compiled.pairs_per_s:.0f}",
      BT + " --out benchmarks/results/speed/train_noamx.json"),
+    ("tiny-CLIP train step vs open_clip, batch 128, fp32 (pairs/s, x the fp32 matmul peak of the run)",
+     "speed/train_nobf16.json",
+     "{peer.128.clip_mini_fp32.pairs_per_s:.0f} ({peer.128.clip_mini_fp32.fraction_of_fp32_peak:.2f}x) vs "
+     "{peer.128.open_clip_fp32.pairs_per_s:.0f} ({peer.128.open_clip_fp32.fraction_of_fp32_peak:.2f}x): "
+     "{peer.128.fp32_speedup_vs_open_clip_fp32:.2f}x; peak {peer.128.fp32_matmul_peak_gflops:.0f} GFLOP/s",
+     BT + " --peer-batches 128 --configs --no-compile --out benchmarks/results/speed/train_nobf16.json"),
     ("that step's FLOP rate, batch 128, eager / compiled, x the fp32 matmul peak", "speed/train.json",
      "{peer.128.clip_mini.fraction_of_fp32_peak:.2f}x / {peer.128.clip_mini_compiled.fraction_of_fp32_peak:.2f}x "
      "(fp32 peak {peer.128.fp32_matmul_peak_gflops:.0f} GFLOP/s)", BT),
