@@ -9,15 +9,16 @@ attended to the whole picture, but what an edit adds or takes at the edges (a vi
 crop, the corners a turn cuts off) weighs little in the middle ones. One unit row of the tower's width per image:
 384 values for a ViT-S, 768 bytes in float16. ``benchmarks/studies/dupes_planted.py`` measures it against the stored
 embeddings and chose ``TOWER_THRESHOLD``; ``SCALE`` and ``CENTRE`` were chosen on a third planted set of photos,
-disjoint from the study's two.
+disjoint from the study's held-out set (``benchmarks/studies/dupes_recipe.py``).
 
 The rows are computed on demand, not at index time: from each row's image (its file, or its member of a shard),
 checked against the sha256 the index recorded, by the index's model (or another: ``model_dir``), one tower pass
-per image at ``SCALE`` times the indexing size (with ``photos`` on a 2-core CPU, 125-190 ms a photo: 1.5 to 1.9
-times what indexing it took, in the study). They are cached in ``<index>/dupe-features/<model fingerprint>-<recipe>.npz`` keyed by content hash (64 bytes of
-hash beside each row), so the next run, or a run after images were added, only computes what is new. A row whose
-image is gone, unreadable, or changed since it was indexed is left out of the groups and reported (re-index to
-bring it back). A cache that cannot be written (a read-only index) only costs the next run the same pass.
+per image at ``SCALE`` times the indexing size (with ``photos`` on a 2-core CPU, 138-151 ms a photo: 1.8 to 1.9
+times what indexing it took, in the study). They are cached in
+``<index>/dupe-features/<model fingerprint>-<recipe>.npz`` keyed by content hash (64 bytes of hash beside each
+row), so the next run, or a run after images were added, only computes what is new. A row whose image is gone,
+unreadable, or changed since it was indexed is left out of the groups and reported (re-index to bring it back). A
+cache that cannot be written (a read-only index) only costs the next run the same pass.
 """
 from __future__ import annotations
 
