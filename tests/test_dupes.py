@@ -1,4 +1,5 @@
-"""clip-mini dupes: planted copies of shapes images are grouped with their originals, from the index alone.
+"""clip-mini dupes --features embedding: planted copies of shapes images are grouped with their originals, from the
+index alone.
 
 The session's tiny trained model tells colours apart far better than shapes (two different-shape images of one
 colour can score 0.99), so the originals here differ in colour: one single-object image per colour. Its planted
@@ -21,6 +22,9 @@ from clip_mini.cli.main import main
 
 
 THRESHOLD = "0.95"
+# these tests group the stored embeddings; the tower features (the default where the model is at hand) are
+# tested in test_dupe_features.py
+DUPES = ("dupes", "--features", "embedding")
 EDITS_HERE = ("jpeg40", "half", "colour", "caption")
 
 
@@ -59,7 +63,7 @@ def test_dupes_finds_planted_copies(planted_index, tmp_path, capsys):
     index_dir, planted, index = planted_index
     assert "broken.png" not in " ".join(index.items["path"])   # the unreadable file was skipped at index time
     grid = tmp_path / "dupes.png"
-    assert main(["dupes", "--index", str(index_dir), "--threshold", THRESHOLD, "--json", "--grid", str(grid),
+    assert main([*DUPES, "--index", str(index_dir), "--threshold", THRESHOLD, "--json", "--grid", str(grid),
                  "-q"]) == 0
     out = json.loads(capsys.readouterr().out)
     groups = [g["paths"] for g in out["groups"]]
@@ -87,14 +91,14 @@ def test_dupes_faiss_range_search_matches_exact_on_the_planted_index(planted_ind
 
 def test_dupes_text_output_and_threshold_one(planted_index, capsys):
     index_dir, _, _ = planted_index
-    assert main(["dupes", "--index", str(index_dir), "--threshold", "1", "--json", "-q"]) == 0
+    assert main([*DUPES, "--index", str(index_dir), "--threshold", "1", "--json", "-q"]) == 0
     # threshold 1 is "identical up to the float16 rounding of the stored rows" (scores from 1 - 1e-3): only the
     # half-size copies, which the 32 px model sees as the same pixels as their 64 px originals, get there
     groups = json.loads(capsys.readouterr().out)["groups"]
     assert groups and all(len(g["paths"]) == 2 and g["paths"][0].endswith("__half.png") for g in groups)
     assert all(g["paths"][1].endswith(g["paths"][0].rsplit("/", 1)[1].replace("__half", "")) for g in groups)
     assert all(1 >= g["similarity"] >= 1 - 1.1e-3 for g in groups)
-    assert main(["dupes", "--index", str(index_dir), "--threshold", THRESHOLD]) == 0
+    assert main([*DUPES, "--index", str(index_dir), "--threshold", THRESHOLD]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("group 1  similarity ") and "dupes: " in captured.err
 
@@ -103,7 +107,7 @@ def test_dupes_text_output_and_threshold_one(planted_index, capsys):
 def test_dupes_refuses_threshold_outside_0_1(planted_index, bad, capsys):
     index_dir, _, _ = planted_index
     with pytest.raises(SystemExit) as e:
-        main(["dupes", "--index", str(index_dir), "--threshold", bad])
+        main([*DUPES, "--index", str(index_dir), "--threshold", bad])
     assert e.value.code == 2
     assert "--threshold" in capsys.readouterr().err
 
@@ -123,7 +127,7 @@ def test_dupes_library_checks():
 
 
 def test_dupes_missing_index(tmp_path, capsys):
-    assert main(["dupes", "--index", str(tmp_path / "nope")]) == 2
+    assert main([*DUPES, "--index", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -247,7 +251,7 @@ def test_a_threshold_that_links_most_pairs_is_refused(planted_index, capsys):
     with pytest.raises(EmbeddingIndexError, match="links more than"):
         list(exact_pairs(rows, 0.01, max_pairs=10_000))
     index_dir, _, _ = planted_index
-    assert main(["dupes", "--index", str(index_dir), "--threshold", "0.05", "--max-pairs", "10", "-q"]) == 2
+    assert main([*DUPES, "--index", str(index_dir), "--threshold", "0.05", "--max-pairs", "10", "-q"]) == 2
     err = capsys.readouterr().err
     assert "--threshold 0.05 links about" in err and "raise --threshold" in err and "--max-pairs 10" in err
 
@@ -311,15 +315,15 @@ def test_complete_linkage_groups_are_cliques_and_split_single_components():
 def test_dupes_cli_linkage_and_lowest_pair(planted_index, capsys):
     index_dir, _, _ = planted_index
     for linkage in ("single", "complete"):
-        assert main(["dupes", "--index", str(index_dir), "--threshold", THRESHOLD, "--linkage", linkage, "--json",
+        assert main([*DUPES, "--index", str(index_dir), "--threshold", THRESHOLD, "--linkage", linkage, "--json",
                      "-q"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["linkage"] == linkage and out["groups"]
         assert all(g["lowest"] <= g["similarity"] for g in out["groups"])
         if linkage == "complete":
             assert all(g["lowest"] == g["similarity"] >= float(THRESHOLD) - 1e-3 for g in out["groups"])
-    assert main(["dupes", "--index", str(index_dir), "--threshold", THRESHOLD]) == 0
+    assert main([*DUPES, "--index", str(index_dir), "--threshold", THRESHOLD]) == 0
     assert " lowest pair 0." in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["dupes", "--index", str(index_dir), "--linkage", "average"])
+        main([*DUPES, "--index", str(index_dir), "--linkage", "average"])
     assert "--linkage" in capsys.readouterr().err

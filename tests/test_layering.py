@@ -14,8 +14,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "clip_mini"
 RETRIEVAL_ORDER = ["rows", "cutoff", "search", "items", "taken", "faiss_auto", "format", "dupe_groups", "dupes",
-                   "files", "reader", "filters", "build", "shards", "wds_source", "ray_index", "preprocess_np", "query",
-                   "engine", "index"]
+                   "files", "reader", "filters", "build", "shards", "wds_source", "dupe_features", "ray_index",
+                   "preprocess_np", "query", "engine", "index"]
 # retrieval/search/: the modules of the search package, each importing only those before it
 SEARCH_ORDER = ["bounds", "shortlist", "groups", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
                 "approximate", "dispatch"]

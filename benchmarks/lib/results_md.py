@@ -614,6 +614,8 @@ def document() -> Doc:
         classify_study(doc)
     if (RESULTS_DIR / CUTOFF).is_file():
         cutoff_study(doc)
+    if (RESULTS_DIR / DUPES).is_file() and "features" in load(DUPES):   # the JSON since the tower features
+        dupes_study(doc)
 
     doc.add("## From scratch vs open_clip\n")
     doc.add("The ViT and text tower trained from scratch (or with MiniLM-L6 locked) against open_clip training its "
@@ -737,6 +739,51 @@ def cutoff_study(doc: Doc) -> None:
         if name in cands:
             key = "candidates_half_b.[%s]" % name
             t.row([esc(name), fill(f, "{%s.kept:.3f}" % key), fill(f, "{%s.empty_when_removed:.3f}" % key)])
+    doc.add("")
+
+
+DUPES = "studies/dupes_planted.json"
+DUPES_RECIPE = "studies/dupes_recipe.json"
+
+
+def _tower_pooling_row() -> int:
+    return next(i for i, r in enumerate(load(DUPES_RECIPE)["recipes"]) if r["pooling"] == "tower")
+
+
+def dupes_study(doc: Doc) -> None:
+    """``clip-mini dupes`` on planted copies (``studies/dupes_planted.json``): the tower features against the stored
+    embeddings, each at the threshold tuned on one set and at the command's default, scored on the other set."""
+    f = DUPES
+    data = load(f)
+    doc.add("### Near-duplicates: planted copies (`clip-mini dupes`)\n")
+    text, src = fill(f, "`{command}` (model `{model.name}`): {sets}. For each kind of rows the threshold with the best "
+                        "F1 over pairs on one set is scored on the other (held out), and so is the command's default. "
+                        "Targets: precision and recall over pairs >= {target}. The tower features cost one tower pass "
+                        "per photo at 4/3 of the model's input side: {tuning.tower_seconds} s and "
+                        "{held_out.tower_seconds} s for the {held_out.n_rows} images of each set ("
+                        "{tuning.tower_ms_per_photo} / {held_out.tower_ms_per_photo} ms a photo, reading and decoding "
+                        "included), against {tuning.embed_seconds} s and {held_out.embed_seconds} s to index them; "
+                        "they are cached beside the index, {held_out.tower_cache_bytes_per_photo:.0f} bytes a photo "
+                        "({held_out.tower_feature_bytes_per_photo} of features, the rest its content hash).\n")
+    doc.add(text, src)
+    if (RESULTS_DIR / DUPES_RECIPE).is_file():
+        text, src = fill(DUPES_RECIPE, "The tower features' recipe was chosen by `{command}` on a third planted set, "
+                                       "disjoint from the held-out one: of the middle k x k patch states at 1 and "
+                                       "4/3 of the model's side and the tower's own pooling, {chosen.cells} at "
+                                       "{chosen.scale:.3g}x scored best there (F1 {chosen.selection.f1:.3f} at the "
+                                       "threshold tuned on the tuning set, {chosen.threshold}; the tower's own "
+                                       "pooling, what the projection head reads, {recipes.%d.selection.f1:.3f}).\n"
+                                       % _tower_pooling_row())
+        doc.add(text, src)
+    edits = data["edits"]
+    t = Table(doc, ["rows grouped", "threshold", "precision", "recall", *(f"{e} recall" for e in edits), "CPU"])
+    for arm in data["features"]:
+        for which, label in (("chosen", "tuned"), ("default", "default")):
+            key = f"features.{arm}.held_out_at_{which}"
+            th = "chosen_threshold_on_tuning_set" if which == "chosen" else "default_threshold"
+            t.row([f"{arm}, {label}", fill(f, "{features.%s.%s}" % (arm, th)),
+                   fill(f, "{%s.precision:.3f}" % key), fill(f, "{%s.recall:.3f}" % key),
+                   *(fill(f, "{%s.by_edit.%s.recall:.3f}" % (key, e)) for e in edits), cpu_kind(f)])
     doc.add("")
 
 

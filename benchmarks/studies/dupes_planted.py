@@ -6,17 +6,21 @@ Two disjoint planted sets are cut from the Flickr8k photos (seeded): each has 50
 edited copy per edit of ``benchmarks/lib/planted.py`` (7 copies each, 280 copies: JPEG quality 40, resized to half,
 a 10% crop, straightened by 5 degrees, a colour shift, a caption drawn across it, a screenshot-style viewer frame),
 so 40 true (copy, original) pairs per edit and 40 x 28 true pairs in all (copies of one photo pair with each other
-too). Each set is indexed (``EmbeddingIndex.build``) and ``retrieval.dupes.find_duplicates`` (exact, single
-linkage: what ``clip-mini dupes`` runs below 20,000 rows) groups its stored rows at every threshold of a grid. On
-the tuning set the threshold with the highest F1 over pairs (ties: the higher threshold) is chosen; on the held-out
-set precision and recall over pairs, and the recall of each edit's (copy, original) pairs, are reported at that
-threshold and at ``DEFAULT_THRESHOLD``, with the edits whose recall is under 0.95 named.
+too). Each set is indexed (``EmbeddingIndex.build``), its tower features are computed as ``clip-mini dupes``
+computes them (``retrieval.dupe_features.tower_features``: the image tower's patch states averaged over the middle
+of the picture), and ``retrieval.dupes.find_duplicates`` (exact, single linkage: what ``clip-mini dupes`` runs below
+20,000 rows) groups each kind of rows (``FEATURES``: the tower features, and the stored search embeddings) at every
+threshold of a grid. On the tuning set the threshold with the highest F1 over pairs (ties: the higher threshold) is
+chosen per kind; on the held-out set precision and recall over pairs, and the recall of each edit's (copy,
+original) pairs, are reported at that threshold and at the command's default for that kind (``TOWER_THRESHOLD``,
+``DEFAULT_THRESHOLD``), with the edits whose recall is under 0.95 named. The tower pass is timed per photo (reading
+and decoding included) and its cache's size per photo recorded.
 
 ``--model``: a built-in model's name (``photos``: ``clip-mini models`` lists them; built into the user cache once,
 as every ``--model`` of the CLI) or a model directory. Without one, the model is ``configs/flickr8k-vit.yaml``'s
 pretrained image tower, DINOv2 ViT-S/14 ([CLS ; patch mean], 768 wide), with an identity image head (``head:
-linear``, ``embed_dim`` 768, the projection set to the identity): an untrained CLIP's image side, which is all
-dupes reads. The JSON records the model's name and the commands that rebuild it. Writes
+linear``, ``embed_dim`` 768, the projection set to the identity): an untrained CLIP's image side (its tower
+features are the pretrained DINOv2's own). The JSON records the model's name and the commands that rebuild it. Writes
 ``benchmarks/results/studies/dupes_planted.json``.
 """
 from __future__ import annotations
@@ -40,6 +44,17 @@ from benchmarks.lib.repo_paths import relative_to_repo, scrub_paths  # noqa: E40
 GRID = [round(t, 3) for t in np.arange(0.50, 0.996, 0.005)]
 TARGET = 0.95   # precision and recall over pairs, and each edit's recall
 STUDY = "python benchmarks/studies/dupes_planted.py"
+FEATURES = ("tower", "embedding")   # the two kinds of rows ``clip-mini dupes`` can group (its --features)
+
+
+def rows_described(arm: str) -> str:
+    from clip_mini.retrieval.dupe_features import CENTRE, SCALE
+
+    if arm == "embedding":
+        return "the index's stored search embeddings (--features embedding)"
+    return (f"the image tower's last patch states, the picture at {SCALE:.4g} times the model's input side, averaged "
+            f"over the middle {CENTRE:g} of each side of the patch grid (clip_mini.retrieval.dupe_features: what "
+            "--features tower, and auto with the model at hand, group)")
 
 
 def tower_model(out: Path) -> Path:
@@ -125,25 +140,42 @@ def score(groups: list[list[str]], planted: dict[str, str]) -> dict:
     return s
 
 
-def sweep(model_dir: Path, folder: Path, planted: dict, work: Path, thresholds: list[float]) -> dict:
+def sweep(model_dir: Path, folder: Path, planted: dict, work: Path, thresholds: dict[str, list[float]]) -> dict:
+    """Index ``folder``, compute its tower features as ``clip-mini dupes`` does, and score both kinds of rows
+    (``FEATURES``) at each of their thresholds."""
+    from clip_mini.retrieval.dupe_features import tower_features
     from clip_mini.retrieval.dupes import find_duplicates
     from clip_mini.retrieval.index import EmbeddingIndex
 
     t = time.perf_counter()
     index = EmbeddingIndex.build(work, str(model_dir), folder, progress=False)
     embed_s = time.perf_counter() - t
+    t = time.perf_counter()
+    tower = tower_features(index, model_dir, progress=False)
+    tower_s = time.perf_counter() - t
+    if tower.left_out:
+        r, why = next(iter(tower.left_out.items()))
+        sys.exit(f"{len(tower.left_out)} images got no tower features, e.g. {index.items['path'][r]}: {why}")
     planted = {str(Path(k).resolve()): str(Path(v).resolve()) for k, v in planted.items()}
     resolved = [str(Path(p).resolve()) for p in index.items["path"]]
     missing = set(planted) | set(planted.values())
     missing -= set(resolved)
     if missing:
         sys.exit(f"{len(missing)} planted images were not indexed (unreadable?), e.g. {sorted(missing)[0]}")
-    rows = np.asarray(index.embeddings, np.float32)
+    rows = {"tower": (tower.features, [resolved[r] for r in tower.rows]),
+            "embedding": (index.embeddings, resolved)}
     out = {}
-    for th in thresholds:
-        groups = find_duplicates(rows, th, "exact")
-        out[th] = score([[resolved[r] for r in g.rows] for g in groups], planted)
-    return {"n_rows": len(index), "embed_seconds": round(embed_s, 1), "by_threshold": out}
+    for arm, (feats, paths) in rows.items():
+        out[arm] = {}
+        for th in thresholds[arm]:
+            groups = find_duplicates(feats, th, "exact")
+            out[arm][th] = score([[paths[r] for r in g.rows] for g in groups], planted)
+    n = len(index)
+    return {"n_rows": n, "embed_seconds": round(embed_s, 1), "tower_seconds": round(tower_s, 1),
+            "tower_ms_per_photo": round(1000 * tower_s / n, 1),
+            "tower_feature_bytes_per_photo": int(tower.features.shape[1] * tower.features.itemsize),
+            "tower_cache_bytes_per_photo": round(tower.cache.stat().st_size / n, 1) if tower.cache else None,
+            "by_threshold": out}
 
 
 def f1(s: dict) -> float:
@@ -172,6 +204,7 @@ def verdict(threshold: float, s: dict) -> str:
 
 
 def main(argv=None) -> dict:
+    from clip_mini.retrieval.dupe_features import RECIPE, TOWER_THRESHOLD
     from clip_mini.retrieval.dupes import DEFAULT_THRESHOLD
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,7 +227,8 @@ def main(argv=None) -> dict:
     pick = np.random.default_rng(args.seed).permutation(len(photos))
     tune_photos = [photos[i] for i in pick[:args.photos]]
     test_photos = [photos[i] for i in pick[args.photos:2 * args.photos]]
-    thresholds = sorted(set(GRID) | {DEFAULT_THRESHOLD})
+    defaults = {"tower": TOWER_THRESHOLD, "embedding": DEFAULT_THRESHOLD}
+    thresholds = {arm: sorted(set(GRID) | {defaults[arm]}) for arm in FEATURES}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dupes-study-") as tmp:
         tmp = Path(tmp)
@@ -203,8 +237,25 @@ def main(argv=None) -> dict:
                      tmp / "tune_index", thresholds)
         test = sweep(model_dir, tmp / "test", planted_set(test_photos, tmp / "test", args.planted, args.seed + 1),
                      tmp / "test_index", thresholds)
-    chosen = max(GRID, key=lambda th: (round(f1(tune["by_threshold"][th]), 6), th))
-    at_chosen, at_default = test["by_threshold"][chosen], test["by_threshold"][DEFAULT_THRESHOLD]
+    arms = {}
+    for arm in FEATURES:
+        default = defaults[arm]
+        by_tune, by_test = tune["by_threshold"][arm], test["by_threshold"][arm]
+        chosen = max(GRID, key=lambda th: (round(f1(by_tune[th]), 6), th))
+        at_chosen, at_default = by_test[chosen], by_test[default]
+        arms[arm] = {
+            "rows": rows_described(arm),
+            "chosen_threshold_on_tuning_set": chosen,
+            "tuning_at_chosen": rounded(by_tune[chosen]),
+            "held_out_at_chosen": rounded(at_chosen),
+            "held_out_misses_at_chosen": misses(at_chosen),
+            "held_out_verdict_at_chosen": verdict(chosen, at_chosen),
+            "default_threshold": default,
+            "held_out_at_default": rounded(at_default),
+            "held_out_misses_at_default": misses(at_default),
+            "held_out_verdict_at_default": verdict(default, at_default),
+            "held_out_by_threshold": {str(k): rounded(s) for k, s in by_test.items()},
+        }
     result = {
         "study": "dupes_planted",
         "model": model,
@@ -214,23 +265,16 @@ def main(argv=None) -> dict:
                  f"per edit ({', '.join(EDITS)}): {args.planted} (copy, original) pairs per edit"),
         "edits": list(EDITS),
         "target": TARGET,
-        "chosen_threshold_on_tuning_set": chosen,
-        "tuning_at_chosen": rounded(tune["by_threshold"][chosen]),
-        "held_out_at_chosen": rounded(at_chosen),
-        "held_out_misses_at_chosen": misses(at_chosen),
-        "held_out_verdict_at_chosen": verdict(chosen, at_chosen),
-        "default_threshold": DEFAULT_THRESHOLD,
-        "held_out_at_default": rounded(at_default),
-        "held_out_misses_at_default": misses(at_default),
-        "held_out_verdict_at_default": verdict(DEFAULT_THRESHOLD, at_default),
+        "tower_recipe": RECIPE,
+        "features": arms,
         "tuning": {k: v for k, v in tune.items() if k != "by_threshold"},
         "held_out": {k: v for k, v in test.items() if k != "by_threshold"},
-        "held_out_by_threshold": {str(k): rounded(s) for k, s in test["by_threshold"].items()},
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "machine": {**machine_info(), "load_average_1min_at_start": load_at_start},
     }
-    print(result["held_out_verdict_at_chosen"], file=sys.stderr)
-    print(result["held_out_verdict_at_default"], file=sys.stderr)
+    for arm, a in arms.items():
+        print(f"{arm}: tuned {a['held_out_verdict_at_chosen']}", file=sys.stderr)
+        print(f"{arm}: default {a['held_out_verdict_at_default']}", file=sys.stderr)
     return write_result(args.out, result)
 
 

@@ -180,6 +180,22 @@ class ImageEncoder(nn.Module):
         x = t.norm(x)
         return torch.cat(earlier + [x[:, 0], x[:, t.num_prefix_tokens:].mean(1)], dim=-1)
 
+    def token_grid(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The tower's last spatial states before any pooling, laid out as the picture: (B, h, w, D). A ViT's patch
+        tokens after the final norm (those ``cls_mean`` averages), a CNN's last feature map; a ``concat`` tower's
+        second tower is left out, and no patch is dropped. ``clip-mini dupes`` pools their centre
+        (``clip_mini.retrieval.dupe_features``)."""
+        t = self.trunk
+        if self.cfg.backbone != "vit":
+            return t.forward_features(pixels).permute(0, 2, 3, 1)
+        self._pick_attention(pixels)
+        x = t.norm_pre(t._pos_embed(t.patch_embed(pixels)))
+        for block in t.blocks:
+            x = block(x)
+        x = t.norm(x)[:, t.num_prefix_tokens:]
+        h, w = pixels.shape[-2] // self.cfg.patch_size, pixels.shape[-1] // self.cfg.patch_size
+        return x.reshape(x.shape[0], h, w, x.shape[-1])
+
     def _pick_attention(self, x: torch.Tensor) -> None:
         """timm's fused attention or its plain one for this pass (``clip_mini.model.layers.kernels``: CPU training
         runs faster without the fused kernel). The choice holds for this thread's passes only (``_per_thread_kernel``):

@@ -35,8 +35,10 @@ from clip_mini.retrieval.dupe_groups import LINKAGES, DuplicateGroup, Linkage, c
 from clip_mini.retrieval.format import EmbeddingIndexError
 from clip_mini.retrieval.rows import BF16Rows
 
-# The planted-copy study (benchmarks/studies/dupes_planted.py) chose this on its tuning set of photos; a model whose
-# embeddings spread differently may want another (``--threshold``).
+# For the stored search embeddings (``clip-mini dupes --features embedding``): the planted-copy study
+# (benchmarks/studies/dupes_planted.py) chose it on its tuning set of photos with a pretrained DINOv2 stand-in; a model
+# whose embeddings spread differently may want another (``--threshold``). The tower features have their own
+# (``dupe_features.TOWER_THRESHOLD``).
 DEFAULT_THRESHOLD = 0.965
 RANGE_MIN_ROWS = 20_000   # from here `auto` uses the faiss range search: the exact pass grows with N^2
 SQ_MARGIN = 0.03          # 8-bit scalar quantisation moves a unit-row cosine by well under this
