@@ -762,7 +762,8 @@ def dupes_study(doc: Doc) -> None:
                         "per photo at 4/3 of the model's input side: {tuning.tower_seconds} s and "
                         "{held_out.tower_seconds} s for the {held_out.n_rows} images of each set ("
                         "{tuning.tower_ms_per_photo} / {held_out.tower_ms_per_photo} ms a photo, reading and decoding "
-                        "included), against {tuning.embed_seconds} s and {held_out.embed_seconds} s to index them; "
+                        "included), against {tuning.embed_seconds} s and {held_out.embed_seconds} s to index them (in the "
+                        "same run, under the CPU token but not alone: a ratio, not a timed figure); "
                         "they are cached beside the index, {held_out.tower_cache_bytes_per_photo:.0f} bytes a photo "
                         "({held_out.tower_feature_bytes_per_photo} of features, the rest its content hash).\n")
     doc.add(text, src)
