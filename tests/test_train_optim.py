@@ -54,6 +54,42 @@ def test_frozen_tower_gets_no_gradient_and_stays_in_eval_mode():
     assert model.text.training and not model.visual.training
 
 
+def test_text_trainable_layers_lock_the_embeddings_and_lower_blocks():
+    model, cfg = _model(["model.text.n_layers=3", "model.text.trainable_layers=1", "model.text.dropout=0.1"])
+    assert freeze_towers(model) == ["text (all but its last 1 blocks)"]
+    locked = {n for n, p in model.text.named_parameters() if not p.requires_grad}
+    assert locked == {n for n, _ in model.text.named_parameters() if ".embeddings." in n or ".layer.0." in n
+                      or ".layer.1." in n}
+    opt = build_optimizer(model, cfg.train)
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert {n for n, p in model.text.named_parameters() if id(p) in trained} == (
+        {n for n, _ in model.text.named_parameters()} - locked)
+    set_train_mode(model, True)   # the locked part runs without dropout, the last block with it
+    assert not model.text.bert.embeddings.training and not model.text.bert.transformer.layer[1].training
+    assert model.text.bert.transformer.layer[2].training and model.visual.training
+    # one step: the last block and the heads move, the locked part does not
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tok = model.tokenize(["a red circle", "a blue square left of a star", "a star"])
+    logits, _ = model(torch.randn(3, 3, 32, 32), tok["input_ids"], tok["attention_mask"])
+    torch.nn.functional.cross_entropy(logits, torch.arange(3)).backward()
+    assert all(model.get_parameter(f"text.{n}").grad is None for n in locked)
+    opt.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert not {f"text.{n}" for n in locked} & moved
+    assert "text.bert.transformer.layer.2.ffn.lin1.weight" in moved and "text_head.proj.weight" in moved
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.text.n_layers=2", "model.text.trainable_layers=3"], r"trainable_layers must be in \[1, 2\]"),
+    (["model.text.trainable_layers=0"], r"trainable_layers must be in .*model\.text\.trainable=false"),
+    (["model.text.pretrained=minilm", "model.text.trainable_layers=7"], r"trainable_layers must be in \[1, 6\]"),
+    (["model.text.trainable=false", "model.text.trainable_layers=1"], r"model\.text\.trainable=false locks"),
+])
+def test_text_trainable_layers_checks_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
 def test_schedule_warms_up_then_follows_a_cosine():
     total, warm = 100, 10
     f = [lr_factor(s, total, warm, min_ratio=0.1) for s in range(total)]

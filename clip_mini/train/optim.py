@@ -1,7 +1,8 @@
 """Optimiser set-up: tower freezing (LiT-style), AdamW parameter groups, the learning rate set from the schedule
 (``train/schedule.py``).
 
-Groups: image tower (only its last ``model.vision.trainable_blocks`` blocks when set), text tower and heads (projection heads + ``logit_scale``) each get their own learning rate
+Groups: image tower (only its last ``model.vision.trainable_blocks`` blocks when set), text tower (its last
+``model.text.trainable_layers`` when set) and heads (projection heads + ``logit_scale``) each get their own learning rate
 (``train.lr_image`` / ``lr_text`` / ``lr_head``, falling back to ``train.lr``), and each is split into a decayed
 and a non-decayed part. Biases, norm weights, the CLS token, positional embeddings and ``logit_scale`` are never
 weight-decayed: decay would pull them towards zero, which has no regularising meaning for them.
@@ -20,8 +21,9 @@ NO_DECAY_NAMES = ("cls_token", "pos_embed", "position_embeddings", "logit_scale"
 
 
 def freeze_towers(model: nn.Module) -> list[str]:
-    """Switch off gradients for towers whose config says ``trainable: false``, and for all but the last
-    ``model.vision.trainable_blocks`` blocks of the image tower; returns what is frozen, by name.
+    """Switch off gradients for towers whose config says ``trainable: false``, for all but the last
+    ``model.vision.trainable_blocks`` blocks of the image tower, and for the embeddings and all but the last
+    ``model.text.trainable_layers`` blocks of the text tower; returns what is frozen, by name.
 
     The projection heads always train: they are freshly initialised, so a locked tower still needs its head
     to map into the shared space (LiT locks the image tower and trains the text side against it).
@@ -36,6 +38,11 @@ def freeze_towers(model: nn.Module) -> list[str]:
         for n, p in model.visual.named_parameters():
             p.requires_grad_(model.visual.in_trainable_suffix(n))
         frozen.append("image" if k == 0 else f"image (all but its last {k} blocks)")
+    k = model.cfg.text.trainable_layers
+    if model.cfg.text.trainable and k is not None:
+        for p in model.text.locked_part():
+            p.requires_grad_(False)
+        frozen.append(f"text (all but its last {k} blocks)")
     return frozen
 
 
@@ -53,6 +60,9 @@ def set_train_mode(model: nn.Module, training: bool = True) -> None:
             for block in model.visual.trunk.blocks[model.visual.prefix_depth():]:
                 block.train()
             model.visual.trunk.patch_drop.train()   # model.vision.patch_drop thins the trainable blocks' tokens
+        if model.cfg.text.trainable and model.cfg.text.trainable_layers is not None:
+            for module in model.text.locked_modules():
+                module.eval()
 
 
 def _no_decay(name: str, param: nn.Parameter) -> bool:
