@@ -484,8 +484,19 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Load a YAML config (or the defaults), apply ``key=value`` overrides and validate."""
+# Sections a config file may hold beside model / data / train: settings for one compute precision, merged over the
+# file's own for a run that computes in it under a time budget (``load_config(precision=...)``; the train command
+# decides), under the command line's --set
+PRECISION_SECTIONS = ("fp32", "bf16", "fp16")
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                precision: Optional[str] = None) -> Config:
+    """Load a YAML config (or the defaults), apply ``key=value`` overrides and validate.
+
+    ``precision``: the dtype the run will compute in (``train.build.run_precision`` decides it): the file's section
+    of that name, if any, is merged over the file before the overrides. Its keys are listed by ``precision_settings``.
+    """
     import yaml
 
     data: dict = {}
@@ -499,6 +510,13 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections (model, data, train)")
+    sections = {name: data.pop(name) for name in PRECISION_SECTIONS if name in data}
+    for name, section in sections.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: the {name} section must be a mapping of sections (model, data, train), "
+                              f"got {section!r}")
+    if precision in sections:
+        data = _deep_merge(data, sections[precision])
     _move_renamed(data)
     set_by = {}   # key -> the --set text that gave it its value
     for text in overrides or []:
@@ -519,6 +537,17 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         # a value out of range is reported by the key it names ("train.epochs must be > 0, got 0")
         blamed = next((t for k, t in set_by.items() if str(e).startswith((f"{k} ", f"{k}:"))), None)
         raise ConfigError(f"--set {blamed}: {e}" if blamed else f"{path}: {e}" if path else str(e)) from None
+
+
+def precision_settings(path: Optional[str | Path], precision: str) -> list[str]:
+    """The ``key=value`` settings of the config file's ``precision`` section (empty when it has none)."""
+    import yaml
+
+    if path is None or not Path(path).is_file():
+        return []
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    section = data.get(precision) if isinstance(data, dict) else None
+    return [f"{k}={v}" for k, v in _flatten(section).items()] if isinstance(section, dict) else []
 
 
 # keys that moved: old configs (and the config.yaml of runs being resumed) still load

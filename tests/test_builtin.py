@@ -378,3 +378,22 @@ def test_cli_help_says_a_name_works(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert "model directory or built-in name (clip-mini models" in " ".join(capsys.readouterr().out.split())
+
+
+def test_train_init_from_takes_a_built_in_name(env, built, tmp_path, capsys):
+    import yaml
+
+    from clip_mini.builtin.registry import cached_dir
+    from clip_mini.cli.train import main as train_main
+
+    captions = tmp_path / "captions.csv"
+    captions.write_text("image,caption\na.jpg,a dog\n")
+    argv = ["--config", str(ROOT / "configs/flickr8k-vit.yaml"), "--print-config", "--out", str(tmp_path / "run"),
+            "--set", f"data.captions={captions}", "--set", "model.vision.image_size=56"]   # the fake's side
+    for how in (["--init-from", NAME], ["--set", f"train.init_from={NAME}"]):
+        assert train_main(argv + how) == 0
+        cfg = yaml.safe_load(capsys.readouterr().out)
+        assert Path(cfg["train"]["init_from"]) == cached_dir(NAME)   # the name became the built model's directory
+    assert train_main(argv + ["--init-from", "fotos"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'fotos'" in err and NAME in err and "Traceback" not in err

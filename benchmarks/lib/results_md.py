@@ -128,6 +128,9 @@ QUALITY_RUNS = {
     "quality_flickr8k_vit_amx.json": "--variants vit_amx=configs/flickr8k-vit.yaml --final --budget-min 30",
     "quality_flickr8k_vit_nobf16_b4v1.json": "--variants nobf16_b4v1=configs/flickr8k-vit.yaml --budget-min 30 "
                                              "--set model.vision.trainable_blocks=4 --set train.frozen_features=1",
+    "quality_flickr8k_vit_nobf16_b4v1t3.json": "--variants nobf16_b4v1t3=configs/flickr8k-vit.yaml --budget-min 30 "
+                                               "--set model.vision.trainable_blocks=4 --set train.frozen_features=1 "
+                                               "--set model.text.trainable_layers=3",
     "quality_flickr8k_vit_b8lr5e5.json": "--variants vit_b8lr5e5=configs/flickr8k-vit.yaml --set train.lr_image=5e-5 "
                                          "--final --budget-min 30",
     "quality_flickr8k_vit_b10clsmean.json": "--variants vit_b10clsmean=configs/flickr8k-vit.yaml "

@@ -242,6 +242,19 @@ def export_checkpoint(run: Path, out: Path) -> Path:
     return out
 
 
+def precision_section(config: Path, run: Path) -> dict:
+    """The precision the run computed in and its config file's section for it, which the train command merged over
+    the file (``config.load_config(precision=...)``): part of what ran, though no --set names it."""
+    import yaml
+
+    from clip_mini.config import precision_settings
+
+    saved = run / "config.yaml"
+    precision = ((yaml.safe_load(saved.read_text(encoding="utf-8")) or {}).get("train", {}).get("precision")
+                 if saved.is_file() else None)
+    return {"precision": precision, "settings": precision_settings(config, precision) if precision else []}
+
+
 # -- one trainer variant --------------------------------------------------------------------------------------
 def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int, final: bool) -> dict:
     """Train one variant as a user would (``train.py``; with ``train.budget`` unless ``--epochs``), then report
@@ -274,7 +287,7 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
            "stopped_at_budget": stopped, **models, "budget_s": budget_s, "train_wall_s": round(train_wall, 1),
            "within_budget": train_wall <= budget_s, "time_breakdown": summary.get("time_breakdown"),
            "load_avg_mean": round(sum(loads) / max(len(loads), 1), 2), "load_avg_max": max(loads, default=0.0),
-           "log": str(log), "command": " ".join(cmd)}
+           "log": str(log), "command": " ".join(cmd), "precision_section": precision_section(v.config, run)}
     if final:
         tick = time.time()
         out.update(score_test(v, run), test_score_s=round(time.time() - tick, 1))

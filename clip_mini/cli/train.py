@@ -28,9 +28,9 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="DURATION",
                    help="wall-clock budget for the whole run, e.g. 30m, 90s, 1.5h (same as --set train.budget=...): "
                         "the step count and the learning-rate schedule are fitted so the run ends within it")
-    p.add_argument("--init-from", metavar="MODEL_DIR",
-                   help="start from a saved model directory (same as --set train.init_from=...): its towers, "
-                        "heads, tokenizer and preprocessing")
+    p.add_argument("--init-from", metavar="MODEL",
+                   help="start from a saved model directory or a built-in model's name, e.g. photos (same as --set "
+                        "train.init_from=...): its towers, heads, tokenizer and preprocessing")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, after --set) as YAML and exit")
     p.add_argument("--quiet", "-q", action="store_true",
@@ -41,19 +41,28 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
     """Parse ``argv``, check the config, train; returns the process exit code (0 ok, 2 error, 130 interrupted)."""
     from clip_mini.cli.common import EXIT_USER_ERROR
-    from clip_mini.config import ConfigError, load_config
+    from clip_mini.config import ConfigError, load_config, precision_settings
+    from clip_mini.errors import ModelDirError
+    from clip_mini.train.build import run_precision
 
     args = build_parser(prog).parse_args(argv)
     overrides = list(args.overrides) + ([f"train.out_dir={args.out}"] if args.out else [])
     overrides += [f"train.budget={args.budget}"] if args.budget else []
     overrides += [f"train.init_from={args.init_from}"] if args.init_from else []
     try:
+        overrides = [_builtin_init_from(o) for o in overrides]
         cfg = load_config(args.config, overrides)
+        precision = run_precision(cfg, args.resume)
+        settings = precision_settings(args.config, precision) if cfg.train.budget is not None else []
+        if settings:   # a budgeted run: the config's section for this precision, under the command line's --set
+            cfg = load_config(args.config, overrides, precision=precision)
+            if not (args.print_config or args.quiet):
+                print(f"{args.config}: its {precision} settings apply ({', '.join(settings)}; --set wins over them)")
         if args.print_config:   # checked as a run would check it (train() checks once, before reading any data)
             from clip_mini.train.build import check_train_config
 
             check_train_config(cfg)
-    except ConfigError as e:
+    except (ConfigError, ModelDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     if args.print_config:
@@ -65,6 +74,17 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
 
     keep_freed_memory()   # a process-wide malloc setting, so the program sets it, not the library
     return run(cfg, args.resume, quiet=args.quiet)
+
+
+def _builtin_init_from(override: str) -> str:
+    """``train.init_from=NAME`` of a built-in model -> its model directory (built into the cache on first use); a
+    name that is neither a directory nor a built-in is refused with the built-in names listed."""
+    key, _, value = override.partition("=")
+    if key.strip() != "train.init_from" or value.strip() in ("", "null", "None", "~"):
+        return override
+    from clip_mini.builtin.registry import resolve_model
+
+    return f"train.init_from={resolve_model(value.strip())}"
 
 
 def run(cfg, resume: Optional[str], quiet: bool = False) -> int:

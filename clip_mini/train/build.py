@@ -50,6 +50,25 @@ def check_train_config(cfg: Config) -> None:
         raise ConfigError("nothing to train: both towers frozen and train.lr_head = 0")
 
 
+def run_precision(cfg: Config, resume: Optional[str] = None) -> str:
+    """The dtype a run of ``cfg`` will compute in, before it starts: a resumed run's, as its saved ``config.yaml``
+    recorded it, else ``train.precision`` decided for ``train.device`` (the rule of ``resolve_train_precision``).
+    The command line loads the config's section for it (``config.load_config(precision=...)``)."""
+    import yaml
+
+    from clip_mini.train.distributed import train_device
+
+    saved = Path(cfg.train.out_dir) / "config.yaml"
+    if resume is not None and cfg.train.precision == "auto" and saved.is_file():
+        try:
+            kept = (yaml.safe_load(saved.read_text(encoding="utf-8")) or {}).get("train", {}).get("precision")
+        except (yaml.YAMLError, UnicodeDecodeError, AttributeError):
+            kept = None   # the trainer reports a damaged run directory itself
+        if kept in PRECISIONS:
+            return kept
+    return resolve_precision(cfg.train.precision, train_device(cfg.train.device), warn=False)
+
+
 def resolve_train_precision(cfg: Config, device: torch.device, ckpt: Optional[dict] = None,
                             say: bool = True) -> Config:
     """``cfg`` with ``train.precision`` decided once for the run (``runtime.devices.resolve_precision``): ``auto`` by
