@@ -148,6 +148,33 @@ def test_trainer_variant_is_a_budget_run_of_the_trainer(shapes, tmp_path):
     assert all(r["machine_fp32_gflops"][k] > 1 for k in ("before", "after"))   # the machine's speed, recorded
     curve = r["val_curve"]
     assert [c["epoch"] for c in curve] == list(range(1, r["epochs_done"] + 1)) and 0 <= curve[-1]["rsum"] <= 6
+    # the precision the run computed in, and its config's section for it (none in the default config)
+    assert r["precision_section"]["settings"] == [] and r["precision_section"]["precision"] in ("fp32", "bf16")
+
+
+def test_minutes_curve_keeps_each_cpu_kinds_points_and_draws_them(tmp_path):
+    from benchmarks.quality import minutes_curve
+
+    val = {k: 0.5 for k in minutes_curve.METRICS}
+    runs = {}
+    for minutes, r5 in ((10, 0.41), (30, 0.62)):
+        runs[minutes] = tmp_path / f"q{minutes}.json"
+        runs[minutes].write_text(json.dumps({"results": [{
+            "best": {"val": {**val, "t2i_r5": r5}}, "steps_done": 10 * minutes, "epochs_done": minutes // 5,
+            "wall_s": 60.0 * minutes, "precision_section": {"precision": "fp32", "settings": ["train.x=1"]},
+            "command": f"{ROOT}/train.py --config configs/flickr8k-vit.yaml"}]}))
+    out = tmp_path / "curve.json"
+    out.write_text(json.dumps({"curves": {"other_kind": {"points": [{"minutes": 30, "val": val}]}}}))
+    doc = minutes_curve.main(["--budgets", "--reuse", f"30={runs[30]}", "--reuse", f"10={runs[10]}",
+                              "--out", str(out)])
+    assert json.loads(out.read_text()) == doc
+    kind = doc["machine"]["cpu_kind"]
+    points = doc["curves"][kind]["points"]
+    assert [(p["minutes"], p["val"]["t2i_r5"], p["steps"]) for p in points] == [(10, 0.41, 100), (30, 0.62, 300)]
+    assert points[0]["command"] == "train.py --config configs/flickr8k-vit.yaml"   # no machine's absolute paths
+    assert doc["curves"]["other_kind"]["points"][0]["minutes"] == 30          # another CPU's points kept
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
 @pytest.mark.slow
