@@ -521,8 +521,6 @@ SUMMARY = [
      "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
     ("same (its `fp32:` section)", "quality/quality_flickr8k_vit_nobf16.json",
      "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
-    ("Flickr8k test R@5, `configs/flickr8k.yaml` (locked towers), 30 min", V.format("concat4v_cls4mean_fit"),
-     "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
     ("from scratch vs open_clip, t2i R@5, 15 min", "quality/quality_flickr8k_scratch_captions.json",
      "{results.0.best.test.t2i_r5:.3f} vs {results.1.best.test.t2i_r5:.3f}", "fs"),
     ("train step vs open_clip, tiny CLIP, batch 128", "speed/train.json",

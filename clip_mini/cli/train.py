@@ -80,11 +80,14 @@ def _builtin_init_from(override: str) -> str:
     """``train.init_from=NAME`` of a built-in model -> its model directory (built into the cache on first use); a
     name that is neither a directory nor a built-in is refused with the built-in names listed."""
     key, _, value = override.partition("=")
-    if key.strip() != "train.init_from" or value.strip() in ("", "null", "None", "~"):
+    value = value.strip()
+    # a path (it has a folder separator) or an existing folder stays as given: the trainer checks it when it starts
+    if key.strip() != "train.init_from" or value in ("", "null", "None", "~") or "/" in value or os.sep in value \
+            or os.path.isdir(value):
         return override
     from clip_mini.builtin.registry import resolve_model
 
-    return f"train.init_from={resolve_model(value.strip())}"
+    return f"train.init_from={resolve_model(value)}"
 
 
 def run(cfg, resume: Optional[str], quiet: bool = False) -> int:
