@@ -92,6 +92,11 @@ BUILTIN = {
                 "model.vision.patch_size=20"],   # i's 8 x 8 tokens read from the photos' own 160 px
     "o": VIT + ["model.text.trainable=false", "model.vision.patch_drop=0.5", "model.vision.image_size=160",
                 "model.vision.patch_size=20", "train.captions_per_image=5"],   # n against all 5 captions a step
+    # n with its text tower trained from scratch (a's 4-layer text model; o's 5 captions a step need a locked one):
+    # like for like with open_clip, which trains its own text tower
+    "q": VIT + ["model.text.pretrained=null", "model.text.dim=256", "model.text.n_layers=4", "model.text.n_heads=4",
+                "model.text.hidden_dim=1024", "model.text.vocab_size=8000", "train.lr_text=1e-3",
+                "model.vision.patch_drop=0.5", "model.vision.image_size=160", "model.vision.patch_size=20"],
     "c": ["model.vision.image_size=160", "model.vision.concat=null", "train.frozen_features=0", "data.cache=true"],
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
