@@ -674,6 +674,9 @@ def document() -> Doc:
                fill(f, "{results.%d.search.red_circle_on_left}" % i), cpu_kind(f), "`studies/demo_pooling.json`",
                "`python benchmarks/studies/demo_pooling.py --variants %s`" % r["variant"]])
     doc.add("")
+    # issue 52: rendered once the seeds study has run (the JSON before it held one model and no "summary")
+    if (RESULTS_DIR / POINTING).is_file() and "summary" in load(POINTING):
+        explain_pointing(doc)
 
     for title, rows in (("Training speed", TRAIN), ("Towers", TOWERS), ("Indexing", INDEXING), ("Search", SEARCH),
                         ("Serving", SERVING)):
@@ -689,6 +692,79 @@ def document() -> Doc:
 
 
 CLASSIFY = "studies/classify_flickr8k.json"
+
+
+POINTING = "quality/explain_pointing.json"
+POINTING_SETS = (("two_object", "Two objects an image, each queried"), ("single_object", "One object an image"))
+POINTING_METHODS = (("gradcam", "Grad-CAM"), ("tokens", "tokens"), ("cls_attention_mean", "CLS attention, mean"),
+                    ("cls_attention_rollout", "CLS attention, rollout"))
+
+
+def explain_pointing(doc: Doc) -> None:
+    """Match maps by the pointing game (``quality/explain_pointing.json``): the demo model per seed on the shapes'
+    two- and one-object images, the ``photos`` model on hand-boxed Flickr8k photos; against the CLS attention and
+    chance."""
+    f = POINTING
+    data = load(f)
+    cpu = cpu_kind(f)
+    doc.add("### Where a query points: match maps by the pointing game\n")
+    text, src = fill(f, "`{command}`. A query scores a hit when the peak of its map (`Embedder.explain`, over the "
+                        "image's pixels) lies in the queried object's box; the CLS attention (mean over heads and "
+                        "layers, and rollout) ignores the text and is the baseline; chance is the share of the image "
+                        "the query's box covers, averaged over the queries (a peak placed at random). Shapes: the "
+                        "demo model, each row one training seed (its rebuild command in the row), on the "
+                        "compositional split (never trained on): {summary.two_object.queries} queries on two-object "
+                        "images (each object by its own phrase, \"a red circle\") and {summary.single_object.queries} "
+                        "on one-object images. Targets (issue 52), for Grad-CAM and met only when the lowest seed "
+                        "reaches them: two objects >= {targets.two_object.target} (lowest "
+                        "{targets.two_object.min:.3f}: **met: {targets.two_object.met}**), one object >= "
+                        "{targets.single_object.target} (lowest {targets.single_object.min:.3f}: **met: "
+                        "{targets.single_object.met}**).\n")
+    doc.add(text, src)
+    for name, title in POINTING_SETS:
+        s = data["summary"][name]
+        doc.add(f"{title}:\n")
+        t = Table(doc, ["model", "seed", *(label for _, label in POINTING_METHODS), "chance", "val t2i R@1", "CPU",
+                        "rebuild"])
+        for i, m in enumerate(data["models"]):
+            acc = m["pointing_accuracy"][name]
+            t.row([fill(f, "`{models.%d.model}`" % i),
+                   fill(f, "{models.%d.seed}" % i) if m.get("seed") is not None else "-",
+                   *(fill(f, "{models.%d.pointing_accuracy.%s.%s:.3f}" % (i, name, k)) if k in acc else "-"
+                     for k, _ in POINTING_METHODS),
+                   fill(f, "{summary.%s.chance:.3f}" % name),
+                   fill(f, "{models.%d.val.t2i_r1:.3f}" % i) if "t2i_r1" in m.get("val", {}) else "-",
+                   cpu, f"`{esc(m['rebuild'])}`" if m.get("rebuild") else "not known"])
+        t.row([f"**mean (range) over {len(data['models'])}**", "",
+               *(fill(f, "**{summary.%s.%s.mean:.3f}** ({summary.%s.%s.min:.3f}-{summary.%s.%s.max:.3f})"
+                      % (name, k, name, k, name, k)) if k in s else "-" for k, _ in POINTING_METHODS),
+               fill(f, "{summary.%s.chance:.3f}" % name), "", cpu, ""])
+        doc.add("")
+    photos = data.get("flickr8k_photos") or {"skipped": "not in the JSON"}
+    if "skipped" in photos:
+        doc.add(f"Flickr8k photos: not scored in this run ({esc(str(photos['skipped']))}).\n")
+        return
+    text, src = fill(f, "Flickr8k photos: the built-in `{flickr8k_photos.model}` model on "
+                        "{flickr8k_photos.photos} photos with hand-drawn boxes around the main noun of their captions "
+                        "(`{flickr8k_photos.boxes}`; {flickr8k_photos.skipped_no_boxes} entries without a box left "
+                        "out), each queried by its noun (\"a dog\"); a hit when the peak lies in any of the photo's "
+                        "boxes, chance the share of the photo their union covers. No target. ")
+    if photos.get("rebuild"):
+        text += f"Rebuild: `{esc(photos['rebuild'])}`. "
+    if photos.get("cls_attention_unavailable"):
+        text += f"The CLS attention could not run on this tower: {esc(photos['cls_attention_unavailable'])}. "
+    doc.add(text.rstrip() + "\n", src)
+    acc = photos["pointing_accuracy"]
+    t = Table(doc, ["photos", "queries", *(label for _, label in POINTING_METHODS), "chance", "CPU"])
+    t.row(["**all**", fill(f, "{flickr8k_photos.queries}"),
+           *(fill(f, "**{flickr8k_photos.pointing_accuracy.%s:.3f}**" % k) if k in acc else "-"
+             for k, _ in POINTING_METHODS), fill(f, "{flickr8k_photos.chance:.3f}"), cpu])
+    for noun, r in photos.get("per_noun", {}).items():
+        key = "flickr8k_photos.per_noun.[%s]" % noun
+        t.row([esc(noun), fill(f, "{%s.queries}" % key),
+               *(fill(f, "{%s.%s:.3f}" % (key, k)) if k in r else "-" for k, _ in POINTING_METHODS),
+               fill(f, "{%s.chance:.3f}" % key), cpu])
+    doc.add("")
 
 
 CUTOFF = "quality/cutoff_flickr8k.json"
@@ -822,28 +898,45 @@ def dupes_study(doc: Doc) -> None:
 
 def classify_study(doc: Doc) -> None:
     """Zero-shot sorting with ``clip-mini classify`` (``studies/classify_flickr8k.json``): Flickr8k val photos
-    labelled from their captions, and the shapes demo's colours and shapes; single prompt vs ensemble."""
+    labelled from their captions (with ``--final`` also the test photos, and val and test pooled), and the shapes
+    demo's colours and shapes; single prompt vs ensemble."""
     f = CLASSIFY
     data = load(f)
     fl = data["flickr8k"]
+    final = "test" in fl and "pooled" in fl
     doc.add("### Zero-shot sorting (`clip-mini classify`)\n")
     text, src = fill(f, "`clip-mini classify` scored through its own code (`{implementation}`). Flickr8k has no "
                         "classes, so they are read off the captions of the {flickr8k.val_photos} val photos: a photo "
                         "is class c when at least {flickr8k.rule.min_votes} of its captions name one of c's words and "
                         "no other class gets that many (the words: `benchmarks/studies/classify_flickr8k.py`). "
                         "{flickr8k.labelled} photos get one class; {flickr8k.unlabelled} get none and "
-                        "{flickr8k.ambiguous} get two or more and are left out. No train or test photo is used. "
-                        "\"single\" is the command's default prompt, \"ensemble\" averages several `--template`s "
+                        "{flickr8k.ambiguous} get two or more and are left out. "
+                        + ("" if final else "No train or test photo is used. ")
+                        + "\"single\" is the command's default prompt, \"ensemble\" averages several `--template`s "
                         "(listed in the JSON). Mean class recall weighs every class alike.\n")
     doc.add(text, src)
+    if final:
+        text, src = fill(f, "With `--final` (the `photos` model and the ensemble were chosen before), the "
+                            "{flickr8k.test.photos} test photos are labelled by the same rule into val's classes "
+                            "and scored once, inside one line of the test ledger written before test was read: "
+                            "{flickr8k.test.labelled} get one class ({flickr8k.test.unlabelled} none, "
+                            "{flickr8k.test.ambiguous} two or more). Scored: {flickr8k.rows.0.images} val photos, "
+                            "{flickr8k.test.rows.0.images} test photos, {flickr8k.pooled.rows.0.images} val and test "
+                            "pooled (the two groups' confusion matrices summed). No train photo is used.\n")
+        doc.add(text, src)
     t = Table(doc, ["data, classes", "prompts", "images", "accuracy", "mean class recall", "model", "CPU", "JSON",
                     "rerun"])
     model = f"`{data['model']['name']}`"
-    for i, r in enumerate(fl["rows"]):
-        t.row([f"Flickr8k val, {len(fl['labels'])} caption classes", r["prompts"],
-               fill(f, "{flickr8k.rows.%d.images}" % i), fill(f, "{flickr8k.rows.%d.accuracy:.3f}" % i),
-               fill(f, "{flickr8k.rows.%d.mean_class_recall:.3f}" % i), model, cpu_kind(f), f"`{f}`",
-               f"`{data['command']}`"])
+    n_classes = len(fl["labels"])
+    groups = [("flickr8k", f"Flickr8k val, {n_classes} caption classes")]
+    if final:
+        groups += [("flickr8k.test", f"Flickr8k test (`--final`), {n_classes} caption classes"),
+                   ("flickr8k.pooled", f"Flickr8k val + test, {n_classes} caption classes")]
+    for key, what in groups:
+        for i, r in enumerate(lookup(data, key)["rows"]):
+            k = "%s.rows.%d" % (key, i)
+            t.row([what, r["prompts"], fill(f, "{%s.images}" % k), fill(f, "{%s.accuracy:.3f}" % k),
+                   fill(f, "{%s.mean_class_recall:.3f}" % k), model, cpu_kind(f), f"`{f}`", f"`{data['command']}`"])
     for j, s in enumerate(data["shapes"].get("sets", [])):
         for i, r in enumerate(s["rows"]):
             t.row([f"shapes {s['set']}, {s['attribute']} ({len(s['labels'])})", r["prompts"],
@@ -855,12 +948,21 @@ def classify_study(doc: Doc) -> None:
     if "skipped" in data["shapes"]:
         doc.add(f"The shapes demo was not scored in this run ({data['shapes']['skipped']}).\n")
     doc.add("Flickr8k recall per class (the confusion matrices are the PNGs beside the JSON):\n")
-    rows = {r["prompts"]: i for i, r in enumerate(fl["rows"])}
-    t = Table(doc, ["class", "photos", *(f"recall, {p}" for p in rows)])
+    shown = [("flickr8k", "val")] + ([("flickr8k.test", "test"), ("flickr8k.pooled", "val + test")] if final else [])
+    header, cols = ["class"], []
+    for key, name in shown:
+        rows = lookup(data, key)["rows"]
+        suffix = f", {name}" if final else ""
+        header += [f"photos{suffix}", *(f"recall, {r['prompts']}{suffix}" for r in rows)]
+        cols.append((key, rows))
+    t = Table(doc, header)
     for c in fl["labels"]:
-        t.row([f"{c}", fill(f, "{flickr8k.scored.[%s]}" % c),
-               *(fill(f, "{flickr8k.rows.%d.recall.[%s]:.3f}" % (i, c)) if fl["rows"][i]["recall"][c] is not None
-                 else "-" for i in rows.values())])
+        cells = [f"{c}"]
+        for key, rows in cols:
+            cells.append(fill(f, "{%s.scored.[%s]}" % (key, c)))
+            cells += [fill(f, "{%s.rows.%d.recall.[%s]:.3f}" % (key, i, c)) if r["recall"][c] is not None else "-"
+                      for i, r in enumerate(rows)]
+        t.row(cells)
     doc.add("")
 
 
