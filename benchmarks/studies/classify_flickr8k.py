@@ -1,6 +1,7 @@
 """Zero-shot sorting with the photo model: how often ``clip-mini classify`` puts a photo in the right class.
 
     python benchmarks/studies/classify_flickr8k.py --model photos --demo-model runs/tiny/best
+    python benchmarks/studies/classify_flickr8k.py --model photos --demo-model runs/tiny/best --final   # + test
     python benchmarks/studies/classify_flickr8k.py --model runs/photos/best --limit 40 --result /tmp/classify.json
 
 Every score goes through the command's own code: ``clip_mini.eval.classify.classify_files`` (what ``clip-mini
@@ -10,9 +11,9 @@ Each part is scored twice: with the command's default single prompt ("a photo of
 per-class recall (the classes are not balanced), the recall of every class and the confusion matrix, which is also
 drawn as a PNG beside the JSON.
 
-Flickr8k (``--model``, a built-in name or a model directory): the project's val split only (``load_splits`` of
-``--config``, as the trainer splits; 500 photos, none trained on). The test split is never read. Flickr8k has no
-class labels, so they are read off the captions by this rule (``label_photo``):
+Flickr8k (``--model``, a built-in name or a model directory): the project's val split (``load_splits`` of
+``--config``, as the trainer splits; 500 photos, none trained on). Flickr8k has no class labels, so they are read
+off the captions by this rule (``label_photo``):
 
     A photo's vote for class c is the number of its captions that contain at least one of c's keywords
     (``FLICKR_CLASSES``; case-insensitive, whole words: "dog" counts in "A dog runs" but not in "hotdog"; a
@@ -22,8 +23,16 @@ class labels, so they are read off the captions by this rule (``label_photo``):
 
 The JSON records the rule, every class's keywords, how many photos each class gets and how many were left out.
 Only about half of the 500 val photos get exactly one class (the rest show people doing things no class names, or
-two classes at once); the other splits are not used to make up the number, since the model trained on the train
-photos and the test photos are for the test ledger only.
+two classes at once). The train photos are never used (the model trained on them).
+
+The test split is read only with ``--final``, which is for a final model and prompts chosen before (the built-in
+``photos`` model and the ensemble above): one line of the test ledger (``clip_mini.eval.ledger.record_test_scoring``;
+benchmark, model, what is scored) is written before the test split is read, and completed with the test numbers.
+The test photos are labelled by the same rule and sorted into val's classes (a test photo of a class val has no
+photo of would be left out and counted), and three row groups are reported, each with the single prompt and the
+ensemble and each with its confusion PNGs: val (``flickr8k.rows``, as without ``--final``), test
+(``flickr8k.test``) and val and test pooled (``flickr8k.pooled``: the two groups' confusion matrices summed, so
+its counts are their sums). Without ``--final`` the JSON says the test split was not read.
 
 Shapes demo (``--demo-model DIR``, optional): the generated shapes data (``--shapes``, what ``make demo`` writes)
 with the generator's ``labels.csv`` as the truth, images with one object only, classified by colour (6 classes) and
@@ -32,7 +41,8 @@ compositional split (colour-shape pairs no training caption names). Without ``--
 and the JSON says so.
 
 Writes benchmarks/results/studies/classify_flickr8k.json (with the machine, the load average at start and end, the
-models and the commands that rebuild them) and its confusion-matrix PNGs beside it.
+models and the commands that rebuild them) and its confusion-matrix PNGs beside it (``..._flickr8k_{single,ensemble}``
+for val, ``..._flickr8k_test_*`` and ``..._flickr8k_pooled_*`` with ``--final``).
 """
 from __future__ import annotations
 
@@ -142,19 +152,66 @@ def score_row(embedder, paths: Sequence[str], truth: Mapping[str, str], labels: 
               templates: Sequence[str], prompts: str, png: Path, title: str) -> dict:
     """One row: ``classify_files`` (the command's code) on ``paths`` against ``truth``, and its confusion PNG."""
     from clip_mini.eval.classify import classify_files
-    from clip_mini.pictures.draw import confusion_png
 
     out = classify_files(embedder, paths, labels, templates, top=2,
                          truth={str(Path(p).resolve()): t for p, t in truth.items()})
-    m = np.asarray(out["confusion"])
+    return confusion_row(out["confusion"], labels, templates, prompts, png, title, sorted(out["skipped"]))
+
+
+def confusion_row(confusion, labels: Sequence[str], templates: Sequence[str], prompts: str, png: Path, title: str,
+                  unreadable: Sequence[str] = ()) -> dict:
+    """A row's numbers from its confusion matrix (rows: the true class, columns: the predicted one): accuracy,
+    the recall of every class and their mean over the classes that have photos; and the matrix drawn as ``png``."""
+    from clip_mini.pictures.draw import confusion_png
+
+    m = np.asarray(confusion)
+    n = int(m.sum())
+    accuracy = float(np.trace(m) / n) if n else float("nan")
     n_true = m.sum(1)
     recall = {c: (round(float(m[i, i] / n_true[i]), 4) if n_true[i] else None) for i, c in enumerate(labels)}
     defined = [r for r in recall.values() if r is not None]
-    confusion_png(m, labels, png, title=f"{title}: accuracy {out['accuracy']:.3f} on {out['n_scored']} images")
-    return {"prompts": prompts, "templates": list(templates), "images": int(out["n_scored"]),
-            "unreadable": sorted(out["skipped"]), "accuracy": round(float(out["accuracy"]), 4),
-            "mean_class_recall": round(float(np.mean(defined)), 4), "recall": recall, "confusion": m.tolist(),
-            "confusion_png": png.name}
+    confusion_png(m, labels, png, title=f"{title}: accuracy {accuracy:.3f} on {n} images")
+    return {"prompts": prompts, "templates": list(templates), "images": n, "unreadable": list(unreadable),
+            "accuracy": round(accuracy, 4), "mean_class_recall": round(float(np.mean(defined)), 4),
+            "recall": recall, "confusion": m.tolist(), "confusion_png": png.name}
+
+
+def pooled_rows(groups: Sequence[Mapping], labels: Sequence[str], out_dir: Path, stem: str) -> list[dict]:
+    """The rows of the photos of ``groups`` together (val and test): each prompt's confusion matrices summed (the
+    same label list, templates and per-photo predictions as the groups' own rows; nothing is classified again)."""
+    rows = []
+    for i, first in enumerate(groups[0]["rows"]):
+        parts = [g["rows"][i] for g in groups]
+        if any(r["prompts"] != first["prompts"] or r["templates"] != first["templates"] for r in parts):
+            raise ValueError("pooled rows need the same prompts in every group")
+        m = sum(np.asarray(r["confusion"]) for r in parts)
+        rows.append(confusion_row(m, labels, first["templates"], first["prompts"],
+                                  out_dir / f"{stem}_flickr8k_pooled_{first['prompts']}.png",
+                                  f"Flickr8k val+test, {first['prompts']} prompt",
+                                  [u for r in parts for u in r["unreadable"]]))
+    return rows
+
+
+def label_split(frame, min_votes: int) -> tuple[dict[str, str], dict]:
+    """``label_photos`` on one split's caption table (columns ``path``, ``caption``)."""
+    captions = {p: list(g["caption"]) for p, g in frame.groupby("path", sort=True)}
+    return label_photos(captions, FLICKR_CLASSES, min_votes)
+
+
+def score_group(embedder, args, truth: Mapping[str, str], labels: Sequence[str], name: str, out_dir: Path,
+                stem: str) -> dict:
+    """One group of photos (a split) scored with the single prompt and the ensemble: ``scored`` (photos per
+    class, after ``--limit``) and ``rows``. Val keeps the PNG names it had before test could be scored."""
+    paths = take(truth, labels, args.limit)
+    scored = {p: truth[p] for p in paths}
+    suffix = "" if name == "val" else f"_{name}"
+    rows = []
+    for prompts, templates in (("single", SINGLE), ("ensemble", args.template or FLICKR_ENSEMBLE)):
+        rows.append(score_row(embedder, paths, scored, labels, templates, prompts,
+                              out_dir / f"{stem}_flickr8k{suffix}_{prompts}.png", f"Flickr8k {name}, {prompts} prompt"))
+        print(f"flickr8k {name} {prompts}: accuracy {rows[-1]['accuracy']:.3f}, mean class recall "
+              f"{rows[-1]['mean_class_recall']:.3f} on {rows[-1]['images']} photos", flush=True)
+    return {"scored": {c: sum(scored[p] == c for p in paths) for c in labels}, "rows": rows}
 
 
 def model_record(spec: str, recipe: Optional[str]) -> dict:
@@ -198,36 +255,68 @@ def check_same_split(model: str, cfg) -> Optional[str]:
     return str(run_config)
 
 
-def flickr_part(args, out_dir: Path, stem: str) -> dict:
+def flickr_part(args, out_dir: Path, stem: str, model: Optional[dict] = None) -> dict:
+    """The Flickr8k rows: val always; with ``args.final`` also test (inside one test-ledger line, written before
+    the test split is read) and val+test pooled."""
     from clip_mini.config import load_config
     from clip_mini.data import load_splits
     from clip_mini.embed import load
 
     cfg = load_config(args.config, [f"data.captions={args.captions}"])
     checked = check_same_split(args.model, cfg)   # before anything slow
-    val = load_splits(cfg, progress=False)["val"]
-    captions = {p: list(g["caption"]) for p, g in val.groupby("path", sort=True)}
-    truth, counts = label_photos(captions, FLICKR_CLASSES, args.min_votes)
-    labels = [c for c in FLICKR_CLASSES if counts["per_class"][c]]
-    paths = take(truth, labels, args.limit)
-    scored = {p: truth[p] for p in paths}
+    splits = load_splits(cfg, progress=False)
+    truth, counts = label_split(splits["val"], args.min_votes)
+    labels = [c for c in FLICKR_CLASSES if counts["per_class"][c]]   # val's classes: test and pooled use them too
     embedder = load(args.model, device=args.device, batch_size=args.batch_size)
-    rows = []
-    for prompts, templates in (("single", SINGLE), ("ensemble", args.template or FLICKR_ENSEMBLE)):
-        rows.append(score_row(embedder, paths, scored, labels, templates, prompts,
-                              out_dir / f"{stem}_flickr8k_{prompts}.png", f"Flickr8k val, {prompts} prompt"))
-        print(f"flickr8k {prompts}: accuracy {rows[-1]['accuracy']:.3f}, mean class recall "
-              f"{rows[-1]['mean_class_recall']:.3f} on {rows[-1]['images']} photos", flush=True)
-    return {"precision": embedder.precision, "split": "val", "config": str(args.config), "captions": str(args.captions),
-            "run_config_checked": checked, "val_photos": counts["photos"],
-            "rule": {"min_votes": args.min_votes, "text": (
-                f"a photo is labelled c when at least {args.min_votes} of its captions contain one of c's keywords "
-                f"(whole words, case-insensitive) and no other class has {args.min_votes}; other photos are left "
-                "out"), "keywords": {c: list(k) for c, k in FLICKR_CLASSES.items()}},
-            "labelled": counts["labelled"], "unlabelled": counts["unlabelled"], "ambiguous": counts["ambiguous"],
-            "counts": counts["per_class"], "labels": labels, "scored": {c: sum(scored[p] == c for p in paths)
-                                                                        for c in labels},
-            "rows": rows}
+    val = score_group(embedder, args, truth, labels, "val", out_dir, stem)
+    out = {"precision": embedder.precision, "split": "val", "config": str(args.config), "captions": str(args.captions),
+           "run_config_checked": checked, "val_photos": counts["photos"],
+           "rule": {"min_votes": args.min_votes, "text": (
+               f"a photo is labelled c when at least {args.min_votes} of its captions contain one of c's keywords "
+               f"(whole words, case-insensitive) and no other class has {args.min_votes}; other photos are left "
+               "out"), "keywords": {c: list(k) for c, k in FLICKR_CLASSES.items()}},
+           "labelled": counts["labelled"], "unlabelled": counts["unlabelled"], "ambiguous": counts["ambiguous"],
+           "counts": counts["per_class"], "labels": labels, "scored": val["scored"], "rows": val["rows"]}
+    if not args.final:
+        out["test_split"] = "not read (run without --final)"
+        return out
+    out["split"] = "val, test (--final)"
+    out["test"], out["ledger"] = score_test(embedder, args, cfg, splits, labels, out_dir, stem, model)
+    out["test_split"] = "read with --final, inside one test-ledger line written before it was read"
+    out["pooled"] = {"splits": ["val", "test"], "photos": counts["photos"] + out["test"]["photos"],
+                     "labelled": counts["labelled"] + out["test"]["labelled"],
+                     "scored": {c: val["scored"][c] + out["test"]["scored"][c] for c in labels},
+                     "rows": pooled_rows([val, out["test"]], labels, out_dir, stem)}
+    for r in out["pooled"]["rows"]:
+        print(f"flickr8k val+test {r['prompts']}: accuracy {r['accuracy']:.3f}, mean class recall "
+              f"{r['mean_class_recall']:.3f} on {r['images']} photos", flush=True)
+    return out
+
+
+def score_test(embedder, args, cfg, splits, labels: Sequence[str], out_dir: Path, stem: str,
+               model: Optional[dict]) -> tuple[dict, dict]:
+    """``(test group, ledger record)``: the test split's photos labelled by the same rule and scored like val,
+    inside one line of the test ledger (``record_test_scoring``), which goes out before ``splits["test"]`` is
+    read. Test photos whose class has no val photo are left out (counted): every group sorts into val's classes."""
+    from clip_mini.eval.ledger import LEDGER, config_hash, record_test_scoring, repo_relative
+
+    variant = f"builtin:{model['name']}" if model and model.get("kind") == "built-in" else str(args.model)
+    with record_test_scoring(variant=variant, source="benchmarks/studies/classify_flickr8k.py --final",
+                             config=args.config, config_hash=config_hash(cfg.to_dict()),
+                             benchmark="classify_flickr8k", model=model or {"name": str(args.model)},
+                             scored="zero-shot classify accuracy and mean class recall on the test photos labelled "
+                                    "from their captions (the val rule), single prompt and ensemble") as line:
+        test_truth, counts = label_split(splits["test"], args.min_votes)
+        outside = {p: c for p, c in test_truth.items() if c not in labels}
+        truth = {p: c for p, c in test_truth.items() if c in labels}
+        group = score_group(embedder, args, truth, labels, "test", out_dir, stem)
+        line.test = {r["prompts"]: {k: r[k] for k in ("accuracy", "mean_class_recall", "images")}
+                     for r in group["rows"]}
+        line.test_images = group["rows"][0]["images"]
+    test = {"photos": counts["photos"], "labelled": counts["labelled"] - len(outside),
+            "unlabelled": counts["unlabelled"], "ambiguous": counts["ambiguous"],
+            "outside_val_classes": len(outside), "counts": {c: counts["per_class"][c] for c in labels}, **group}
+    return test, {"path": repo_relative(LEDGER), "id": line.id, "variant": variant}
 
 
 def shapes_truth(shapes: Path, config: Path, limit: Optional[int]) -> dict[str, dict]:
@@ -296,7 +385,8 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="photos", help="the photo model: a built-in name or a model directory")
     p.add_argument("--model-recipe", help="the command that rebuilds --model (default: the built-in card's recipe, "
                                           "or `clip-mini train` on the run's saved config)")
-    p.add_argument("--config", default=str(ROOT / "configs/flickr8k-vit.yaml"), help="the val split comes from here")
+    p.add_argument("--config", default=str(ROOT / "configs/flickr8k-vit.yaml"),
+                   help="the val split (and test, with --final) comes from here")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--min-votes", type=int, default=MIN_VOTES, help="captions of 5 that must name the class")
     p.add_argument("--template", action="append", help="the Flickr8k ensemble's templates (repeatable; default: "
@@ -311,12 +401,18 @@ def main(argv=None) -> dict:
                                              "--result, so the study's JSON is not replaced)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="auto")
+    p.add_argument("--final", action="store_true",
+                   help="also score the TEST split's photos (same rule, val's classes) and val+test pooled, inside "
+                        "one line of the test ledger written before test is read; only for a final, val-chosen "
+                        "model and prompts")
     p.add_argument("--result", default=str(RESULT))
     args = p.parse_args(argv)
     if args.limit is not None and (args.limit < 1 or Path(args.result).resolve() == RESULT.resolve()):
         p.error("--limit must be positive and comes with --result elsewhere than the study's own JSON")
     if args.min_votes < 1:
         p.error("--min-votes must be at least 1")
+    if args.final and args.limit is not None:
+        p.error("--final scores the whole test split once (a ledger line); a --limit check runs without it")
 
     from benchmarks.lib.repo_paths import scrub_paths
     from clip_mini.embed import check_templates
@@ -332,7 +428,7 @@ def main(argv=None) -> dict:
               "command": shlex.join(["python", "benchmarks/studies/classify_flickr8k.py", *given]),
               "limit": args.limit, "implementation": "clip_mini.eval.classify.classify_files -> Embedder.classify"}
     result["model"] = model_record(args.model, args.model_recipe)
-    result["flickr8k"] = flickr_part(args, out_dir, stem)
+    result["flickr8k"] = flickr_part(args, out_dir, stem, result["model"])
     result["shapes"] = (shapes_part(args, out_dir, stem) if args.demo_model else
                         {"skipped": "no --demo-model given"})
     result["wall_s"] = round(time.time() - t0, 1)
