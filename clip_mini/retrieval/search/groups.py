@@ -38,6 +38,7 @@ MIN_BLOCK_QUERIES = 32   # fewer queries a product loses float32 speed (half-emp
 
 # (start, stop, out): writes the (stop - start, Q) float32 scores of those rows into ``out``
 Score = Callable[[int, int, np.ndarray], None]
+Margins = shortlist.Margins
 
 
 def cores() -> int:
@@ -59,15 +60,16 @@ def group_rows(g: np.ndarray, chunk: int, n: int) -> np.ndarray:
     return np.where(rows < n, rows, -1)
 
 
-def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int, np.ndarray], Score], margin: float,
-           chunk: int, workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int, np.ndarray], Score],
+           margin: float | Margins, chunk: int, workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The exact top-K from group maxima of float32 scores.
 
     Args:
         make_score: ``make_score(rows, queries)`` returns a ``Score`` of those (C-contiguous) queries with its own
             buffers for chunks of up to ``rows`` rows (called once per worker thread).
         margin: twice the bound on |float32 score - exact score| for unit rows and queries (scaled here by the
-            query's length where it is above 1).
+            query's length where it is above 1), or a function of the queries giving each one's margin as it is
+            (``shortlist.query_margins``).
         chunk: rows per product; rounded to whole ``BLOCK``s (at most the matrix, padded).
         workers: threads (default: one per core).
     """
@@ -112,9 +114,8 @@ def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int, n
         with ThreadPoolExecutor(workers) as pool:
             for f in [pool.submit(work) for _ in range(workers)]:
                 f.result()
-    scale = np.maximum(np.linalg.norm(queries.astype(np.float64), axis=1), 1.0)
-    cq, ci = candidates(gmax.reshape(-1, nq), smax.reshape(-1, nq), k, (margin * scale).astype(np.float32),
-                        chunk, n)
+    margins = shortlist.query_margins(margin, queries).astype(np.float32)
+    cq, ci = candidates(gmax.reshape(-1, nq), smax.reshape(-1, nq), k, margins, chunk, n)
     return shortlist.rescore(embeddings, queries, cq, ci, k)
 
 

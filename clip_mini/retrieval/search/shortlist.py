@@ -14,6 +14,8 @@ import numpy as np
 SCAN_EXTRA = 32
 
 Chunks = Callable[[np.ndarray], Iterable[tuple[int, np.ndarray]]]
+# queries -> each query's margin as it is (a kernel whose bound depends on the query, e.g. its quantization)
+Margins = Callable[[np.ndarray], np.ndarray]
 
 
 def check_queries(queries: np.ndarray, dim: int, k: int) -> np.ndarray:
@@ -38,22 +40,29 @@ def sort_topk(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return np.take_along_axis(scores, order, -1), np.take_along_axis(ids, order, -1)
 
 
-def floor_and_rescore(embeddings, queries: np.ndarray, k: int, chunks: Chunks, margin: float
+def query_margins(margin: float | Margins, queries: np.ndarray) -> np.ndarray:
+    """(Q,) float64 margins: ``margin`` (a bound for unit queries) scaled by each query's length where it is above
+    1 (the bound is on sum |e_i q_i| <= |e| |q|), or, for a function, what it gives for these queries."""
+    if callable(margin):
+        return np.asarray(margin(queries), np.float64).reshape(len(queries))
+    return margin * np.maximum(np.linalg.norm(queries.astype(np.float64), axis=1), 1.0)
+
+
+def floor_and_rescore(embeddings, queries: np.ndarray, k: int, chunks: Chunks, margin: float | Margins
                       ) -> tuple[np.ndarray, np.ndarray]:
     """The exact top-K from approximate float32 scores: ``chunks(queries)`` yields (start, (Q, c) scores of rows
     start..start + c); each query keeps its top ``k + SCAN_EXTRA``, and every row within ``margin`` (scaled by the
-    query's length where it is above 1) of the approximate K-th best is re-scored exactly. A query whose short list
-    ends above that floor (many near-ties, more than the list holds) gets a second pass collecting every row above
-    it, so no row tied with the K-th best is lost, whatever the order the chunks' products put them in."""
+    query's length where it is above 1; or per query, ``query_margins``) of the approximate K-th best is re-scored
+    exactly. A query whose short list ends above that floor (many near-ties, more than the list holds) gets a second
+    pass collecting every row above it, so no row tied with the K-th best is lost, whatever the order the chunks'
+    products put them in."""
     n = len(embeddings)
     keep = min(n, k + SCAN_EXTRA)
     best_s = np.full((len(queries), keep), -np.inf, dtype=np.float32)
     best_i = np.full((len(queries), keep), -1, dtype=np.int64)
     for start, sims in chunks(queries):
         merge_chunk(best_s, best_i, sims, start)
-    # the bound is on sum |e_i q_i| <= |e| |q|: unit rows, and queries whose length may be above 1
-    scale = np.maximum(np.linalg.norm(queries.astype(np.float64), axis=1), 1.0)
-    floor = (-np.sort(-best_s, axis=1)[:, k - 1] - margin * scale).astype(np.float32)
+    floor = (-np.sort(-best_s, axis=1)[:, k - 1] - query_margins(margin, queries)).astype(np.float32)
     short = (best_s >= floor[:, None]) & (best_i >= 0)
     cand_q, cand_i = [np.nonzero(short)[0]], [best_i[short]]
     again = np.flatnonzero((best_s.min(axis=1) >= floor) & (keep < n))
