@@ -17,8 +17,8 @@ RETRIEVAL_ORDER = ["rows", "cutoff", "search", "items", "taken", "faiss_auto", "
                    "files", "reader", "filters", "build", "shards", "wds_source", "dupe_features", "ray_index",
                    "preprocess_np", "query", "engine", "index"]
 # retrieval/search/: the modules of the search package, each importing only those before it
-SEARCH_ORDER = ["bounds", "shortlist", "groups", "faiss_lib", "exact_numpy", "exact_ort", "exact_faiss", "exact_torch",
-                "approximate", "dispatch"]
+SEARCH_ORDER = ["bounds", "shortlist", "groups", "faiss_lib", "codes", "exact_numpy", "exact_ort", "exact_faiss",
+                "exact_torch", "exact_int8", "approximate", "dispatch"]
 # package (or root module) -> what it must never import
 FORBIDDEN = {
     "fileio": ["model", "data", "train", "eval", "retrieval", "serve", "cli", "pictures", "runtime", "embed", "config",
@@ -186,10 +186,12 @@ def test_leaves_stay_leaves(leaf):
 @pytest.mark.parametrize("module", SEARCH_ORDER + ["__init__"])
 def test_search_back_ends_read_rows_only(module):
     # the search back ends read stored rows (float16 or bfloat16) and nothing else of the package, but for the one
-    # rule of what this CPU computes natively (torch-free, as they are)
+    # rule of what this CPU computes natively (torch-free, as they are), and the file checksums the int8 codes'
+    # sidecar is checked against (``search.codes``)
     outside = {m for m in _imports(PKG / "retrieval/search" / f"{module}.py")
                if not m.startswith("clip_mini.retrieval.search")}
-    assert outside <= {"clip_mini.retrieval.rows", "clip_mini.fileio.atomic", "clip_mini.runtime.isa"}, module
+    assert outside <= {"clip_mini.retrieval.rows", "clip_mini.fileio.atomic", "clip_mini.fileio.checksums",
+                       "clip_mini.runtime.isa"}, module
 
 
 def test_command_modules_do_not_import_the_parser():

@@ -41,7 +41,8 @@ WDS_COLUMNS = ("shard", "key", "offset", "length")
 # Rows of an image folder also record when each photo was taken (TAKEN_COLUMNS, ``clip_mini.retrieval.taken``): a
 # reader that predates them ignores the extra columns, and an index without them searches as before (date filters
 # ask for a re-index), so the format version stays too.
-_DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|cols|index)$")
+# (an embeddings file's int8 codes, ``search.codes``, are embeddings-<gen>.int8 and .int8.json: they go with it)
+_DATA_FILE = re.compile(r"^(embeddings|items|faiss)-(\d+)\.(npy|csv|cols|index|int8|int8\.json)$")
 
 
 def _manifest_digest(manifest: dict) -> str:
@@ -186,8 +187,9 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
            progress: bool = True, recall_target: Optional[float] = None) -> dict:
     """Publish generation ``generation``: ``embeddings-<gen>.npy`` must already be written (atomically).
 
-    Writes the items file and the optional faiss index (its search parameter tuned to ``recall_target``, see
-    ``faiss_auto``), then atomically replaces the manifest; finally removes
+    Writes the items file, the optional faiss index (its search parameter tuned to ``recall_target``, see
+    ``faiss_auto``) and, from ``search.codes.MIN_ROWS`` rows, the rows' int8 codes beside them (the int8 exact
+    kernel's sidecar, ``search.codes``), then atomically replaces the manifest; finally removes
     data files older than the previous generation. Must run under ``writer_lock``. Returns the new manifest.
     """
     from clip_mini.version import __version__
@@ -209,6 +211,10 @@ def commit(path: Path, generation: int, items: dict[str, list], meta: dict, fais
         S.save_faiss(index, path / files["faiss"])
     previous = current_generation(path)
     emb = wrap(np.load(path / emb_name, mmap_mode="r"))
+    from clip_mini.retrieval.search import codes as int8_codes
+
+    if len(emb) >= int8_codes.MIN_ROWS:   # before the manifest: a server opening the generation finds them
+        int8_codes.write_beside(path / emb_name)
     manifest = {
         "format_version": COLUMNAR_FORMAT_VERSION,
         "generation": generation, "files": files,
