@@ -309,3 +309,10 @@ def test_the_method_docstring_quotes_the_pointing_benchmark():
     assert one["cls_attention_mean"] > one["gradcam"] and two["gradcam"] > two["cls_attention_mean"]
     for number in (one["cls_attention_mean"], one["gradcam"], two["gradcam"], two["cls_attention_mean"]):
         assert str(number) in doc, number
+    full = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/quality/explain_pointing.json")
+                      .read_text())
+    photos = full["flickr8k_photos"]
+    assert photos["pointing_accuracy"]["cls_attention_mean"] > photos["pointing_accuracy"]["gradcam"]
+    for number in (full["chance"]["two_object"], photos["pointing_accuracy"]["cls_attention_mean"],
+                   photos["pointing_accuracy"]["gradcam"], photos["chance"]):
+        assert str(number) in doc, number

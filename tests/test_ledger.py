@@ -136,14 +136,15 @@ def test_the_ledger_is_the_repositorys_in_a_checkout():
 
 def test_the_ledger_holds_every_quality_json_with_test_numbers():
     recs = ledger.read_ledger(REPOSITORY_LEDGER)
-    live = "benchmarks/quality/quality_flickr8k.py --final"   # the line a --final run writes before it scores
+    # the lines a --final run writes before it scores (open_clip's arm of a race writes its own)
+    live = ("benchmarks/quality/quality_flickr8k.py --final", "benchmarks/quality/openclip_peer.py --final")
     for path in sorted(REPOSITORY_LEDGER.parent.glob("quality_flickr8k_*.json")):
         report = json.loads(path.read_text())
         for r in report["results"]:
             if report.get("reported_split") == "test" and r.get("best", {}).get("test"):
                 source = path.relative_to(ROOT).as_posix()
                 lines = [x for x in recs if x["variant"] == r["variant"] and (
-                    x["source"] == source or (x["source"] == live and x.get("test", {}).get("best") == r["best"]["test"]))]
+                    x["source"] == source or (x["source"] in live and x.get("test", {}).get("best") == r["best"]["test"]))]
                 assert lines, f"{source} {r['variant']} is not in the ledger"
                 (line,) = lines
                 assert line["test"]["best"] == r["best"]["test"]
