@@ -2,16 +2,18 @@
 (``exact_int8``).
 
 Each row x (its stored values: float16, bfloat16 or float32, exact in float64) gets a scale s = max_i |x_i| / 127
-(float32) and codes c_i = round(x_i / s) in [-127, 127], stored as c + 128 (uint8, 1..255: the unsigned operand of
-an x86 u8 x s8 product). With them go the two figures the kernel's error bound rests on
-(``bounds.quantized_margin``), computed in float64 from the stored values and the stored scales: ``row_error``, the
-largest |x - s c| over the rows, and ``code_norm``, the largest |s c|.
+(float32) and codes c_i = round(x_i / s) in [-127, 127], stored as c + 128 (uint8, 1..255). With them go the two
+figures the kernel's error bound rests on (``bounds.quantized_margin``), computed in float64 from the stored values
+and the stored scales: ``row_error``, the largest |x - s c| over the rows, and ``code_norm``, the largest |s c|.
+The codes are stored transposed, (d, P) with P the rows rounded up to ``PAD`` (the padding's codes 0, stored 128,
+and its scales 0): the constant right-hand operand of the int8 kernel's product, as onnxruntime reads it from the
+file.
 
 The sidecar of ``<name>.npy`` (an index's ``embeddings-<gen>.npy``) is two files beside it:
 
-    <name>.int8         the codes (N, d) uint8, then the scales (N,) float32 at ``scales_offset``: what every
-                        process memory-maps read-only, so ``clip-mini serve --workers N`` share one copy through the
-                        page cache, as they share the float16 rows
+    <name>.int8         the codes (d, P) uint8, then the scales (P,) float32 at ``scales_offset`` (page-aligned):
+                        what every process memory-maps read-only, so ``clip-mini serve --workers N`` share one copy
+                        through the page cache, as they share the float16 rows
     <name>.int8.json    what it holds: rows, width, row_error, code_norm, the sha256 of the rows it was made from
                         (the ``.npy`` file's, as the index manifest records it), of the codes file, and its own
 
@@ -20,8 +22,9 @@ generation's sidecar goes with its other files). For rows that have none (an old
 the first time it runs (``for_rows``), beside the rows, or in the user cache where their folder is read-only, or
 else in memory. Both files are written atomically (the codes first), under a lock so that processes opening the
 same rows at once make it once. A sidecar is used only if its recorded rows' sha256 is the rows' sha256 now, the
-codes file's sha256 is the recorded one and the description's own checks out (both remembered per file identity, ``fileio.checksums.known_sha256``, so
-an unchanged file is hashed once); anything else (rows rewritten, a half-written pair, damage) makes it again.
+codes file's sha256 is the recorded one and the description's own checks out (the files' digests remembered per
+file identity, ``fileio.checksums.known_sha256``, so an unchanged file is hashed once); anything else (rows
+rewritten, a half-written pair, damage) makes it again.
 """
 from __future__ import annotations
 
@@ -39,31 +42,44 @@ import numpy as np
 from clip_mini.retrieval.rows import BF16Rows
 
 FORMAT = "clip-mini int8 codes"
-VERSION = 1
+VERSION = 2
 LEVELS = 127          # codes in [-LEVELS, LEVELS]
 ZERO = 128            # stored as code + ZERO (uint8)
+PAD = 8192            # rows padded to a multiple of this (whole chunks of the int8 pass's group maxima)
 MIN_ROWS = 65_536     # ``clip-mini index`` writes a sidecar from this many rows (the int8 kernel's ``auto`` range)
 _BLOCK = 65_536       # rows quantized at a time (bounded memory whatever the index's size)
+_PAGE = 4096
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # compared and hashed by identity: the kernel keeps its session per codes
 class Int8Codes:
-    """int8 codes of N rows of width d.
+    """int8 codes of N rows of width d, transposed and padded.
 
-    codes: (N, d) uint8, code + ``ZERO`` (a read-only memory map when it comes from a sidecar).
-    scales: (N,) float32: row r is approximated by scales[r] * (codes[r] - ZERO).
-    row_error: max over rows of |x - x^| (float64, rounded up); code_norm: max over rows of |x^|.
+    codes: (d, P) uint8, code + ``ZERO``, P = N rounded up to ``pad``: column r < N holds row r's codes, the
+        rest ``ZERO`` (a read-only memory map when it comes from a sidecar, ``path``).
+    scales: (P,) float32: row r is approximated by scales[r] * (codes[:, r] - ZERO); zero past N.
+    rows: N. row_error: max over rows of |x - x^| (float64, rounded up); code_norm: max over rows of |x^|.
     """
 
     codes: np.ndarray
     scales: np.ndarray
+    rows: int
     row_error: float
     code_norm: float
-    path: Optional[Path] = None   # the codes file, when memory-mapped
+    pad: int = PAD
+    path: Optional[Path] = None
+    scales_offset: int = 0   # where the scales start in the file at ``path``
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape
+        """(N, d): the rows' shape."""
+        return self.rows, self.codes.shape[0]
+
+
+def padded(n: int, pad: int | None = None) -> int:
+    """Rows rounded up to a multiple of ``pad`` (default ``PAD``; one chunk at least)."""
+    pad = PAD if pad is None else pad
+    return max(pad, -(-n // pad) * pad)
 
 
 def quantize(rows, start: int = 0, stop: Optional[int] = None) -> tuple[np.ndarray, np.ndarray, float, float]:
@@ -89,17 +105,22 @@ def quantize(rows, start: int = 0, stop: Optional[int] = None) -> tuple[np.ndarr
             float(norm.max(initial=0.0)) * up)
 
 
+def _fill(rows, codes: np.ndarray, scales: np.ndarray) -> tuple[float, float]:
+    """Quantize ``rows`` block by block into the transposed ``codes`` and ``scales``; the two bound figures."""
+    row_error = code_norm = 0.0
+    for start in range(0, len(rows), _BLOCK):
+        c, s, e, m = quantize(rows, start, start + _BLOCK)
+        codes[:, start:start + len(c)], scales[start:start + len(s)] = c.T, s
+        row_error, code_norm = max(row_error, e), max(code_norm, m)
+    return row_error, code_norm
+
+
 def build(rows) -> Int8Codes:
     """Codes of every row, in memory."""
     n, d = rows.shape
-    codes = np.empty((n, d), np.uint8)
-    scales = np.empty(n, np.float32)
-    row_error = code_norm = 0.0
-    for start in range(0, n, _BLOCK):
-        c, s, e, m = quantize(rows, start, start + _BLOCK)
-        codes[start:start + len(c)], scales[start:start + len(s)] = c, s
-        row_error, code_norm = max(row_error, e), max(code_norm, m)
-    return Int8Codes(codes, scales, row_error, code_norm)
+    codes = np.full((d, padded(n)), ZERO, np.uint8)
+    scales = np.zeros(padded(n), np.float32)
+    return Int8Codes(codes, scales, n, *_fill(rows, codes, scales), pad=PAD)
 
 
 # -- the sidecar files ---------------------------------------------------------------------------------------------
@@ -121,7 +142,7 @@ def _cache_path(source: Path) -> Path:
 
 
 def _scales_offset(n: int, d: int) -> int:
-    return -(-n * d // 64) * 64
+    return -(-padded(n) * d // _PAGE) * _PAGE
 
 
 def write(rows, codes_path: Path, source_sha256: str) -> Int8Codes:
@@ -131,23 +152,19 @@ def write(rows, codes_path: Path, source_sha256: str) -> Int8Codes:
     from clip_mini.fileio.checksums import known_sha256
 
     n, d = rows.shape
-    offset = _scales_offset(n, d)
-    row_error = code_norm = 0.0
+    offset, p = _scales_offset(n, d), padded(n)
     with atomic_path(codes_path) as tmp:
         with open(tmp, "wb") as f:
-            f.truncate(offset + 4 * n)
-        if n:
-            out = np.memmap(tmp, dtype=np.uint8, mode="r+")
-            codes = out[:n * d].reshape(n, d)
-            scales = out[offset:offset + 4 * n].view(np.float32)
-            for start in range(0, n, _BLOCK):
-                c, s, e, m = quantize(rows, start, start + _BLOCK)
-                codes[start:start + len(c)], scales[start:start + len(s)] = c, s
-                row_error, code_norm = max(row_error, e), max(code_norm, m)
-            out.flush()
-            del out, codes, scales
+            f.truncate(offset + 4 * p)   # zero scales for the padding
+        out = np.memmap(tmp, dtype=np.uint8, mode="r+")
+        codes = out[:d * p].reshape(d, p)
+        codes[:, n:] = ZERO
+        row_error, code_norm = _fill(rows, codes, out[offset:offset + 4 * p].view(np.float32))
+        out.flush()
+        del out, codes
     meta = {"format": FORMAT, "version": VERSION, "rows": n, "dim": d, "levels": LEVELS, "zero": ZERO,
-            "scales_offset": offset, "row_error": row_error, "code_norm": code_norm,
+            "pad": PAD, "padded": p, "layout": "transposed", "scales_offset": offset, "row_error": row_error,
+            "code_norm": code_norm,
             "source_sha256": source_sha256, "sha256": known_sha256(codes_path)}
     meta["meta_sha256"] = _digest(meta)
     atomic_write_json(_json_path(codes_path), meta)
@@ -162,14 +179,11 @@ def _digest(meta: dict) -> str:
 
 
 def _open(codes_path: Path, meta: dict) -> Int8Codes:
-    n, d = meta["rows"], meta["dim"]
-    if n == 0:
-        return Int8Codes(np.zeros((0, d), np.uint8), np.zeros(0, np.float32), 0.0, 0.0, codes_path)
+    n, d, p, offset = meta["rows"], meta["dim"], meta["padded"], meta["scales_offset"]
     with open(codes_path, "rb") as f:
         raw = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
-    offset = meta["scales_offset"]
-    return Int8Codes(raw[:n * d].reshape(n, d), raw[offset:offset + 4 * n].view(np.float32),
-                     float(meta["row_error"]), float(meta["code_norm"]), codes_path)
+    return Int8Codes(raw[:d * p].reshape(d, p), raw[offset:offset + 4 * p].view(np.float32), n,
+                     float(meta["row_error"]), float(meta["code_norm"]), meta["pad"], codes_path, offset)
 
 
 def load(codes_path: Path, shape: tuple[int, int], source_sha256: str) -> Optional[Int8Codes]:
@@ -180,11 +194,13 @@ def load(codes_path: Path, shape: tuple[int, int], source_sha256: str) -> Option
         meta = json.loads(_json_path(codes_path).read_text(encoding="utf-8"))
         n, d = shape
         if not (isinstance(meta, dict) and meta.get("meta_sha256") == _digest(meta)
-                and meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("rows") == n and meta.get("dim") == d and meta.get("levels") == LEVELS
-                and meta.get("zero") == ZERO and meta.get("scales_offset") == _scales_offset(n, d)
+                and meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("rows") == n
+                and meta.get("dim") == d and meta.get("levels") == LEVELS and meta.get("zero") == ZERO
+                and meta.get("pad") == PAD and meta.get("padded") == padded(n)
+                and meta.get("layout") == "transposed" and meta.get("scales_offset") == _scales_offset(n, d)
                 and meta.get("source_sha256") == source_sha256):
             return None
-        if os.stat(codes_path).st_size != meta["scales_offset"] + 4 * n:
+        if os.stat(codes_path).st_size != meta["scales_offset"] + 4 * padded(n):
             return None
         if known_sha256(codes_path) != meta.get("sha256"):
             return None
@@ -220,7 +236,8 @@ def _identity(path: Path) -> tuple:
 
 
 _lock = threading.Lock()
-_known: dict[str, tuple[tuple, Int8Codes]] = {}   # rows file -> (its identity, its codes)
+_known: dict[str, tuple[tuple, Int8Codes]] = {}   # rows file -> (its identity, its codes), the latest last
+KNOWN = 4   # rows files whose codes stay open (a server holds two generations)
 
 
 def ready(rows) -> bool:
@@ -259,7 +276,10 @@ def for_rows(rows, make: bool = True) -> Optional[Int8Codes]:
         if codes is None and make:
             codes = _make(rows, source, places, sha)
         if codes is not None and _identity(source) == identity:   # not rewritten meanwhile
+            _known.pop(key, None)
             _known[key] = (identity, codes)
+            while len(_known) > KNOWN:   # the oldest go (and the kernel's session for them, ``exact_int8``)
+                _known.pop(next(iter(_known)))
         return codes
 
 

@@ -1,17 +1,18 @@
-"""``exact_search``: checks its input and hands it to one of the four exact kernels, ``auto_kernel``'s pick unless
+"""``exact_search``: checks its input and hands it to one of the five exact kernels, ``auto_kernel``'s pick unless
 the caller names one. Every kernel gives the same result: the float32 top-K of the rows as stored, ties by row id.
 """
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import numpy as np
 
 from clip_mini.retrieval.rows import BF16Rows
-from clip_mini.retrieval.search import exact_faiss, exact_numpy, exact_ort, exact_torch, shortlist
+from clip_mini.retrieval.search import codes, exact_faiss, exact_int8, exact_numpy, exact_ort, exact_torch, shortlist
 from clip_mini.runtime.isa import cpu_native_bf16
 
-KERNELS = ("auto", "numpy", "onnxruntime", "torch", "faiss")
+KERNELS = ("auto", "numpy", "onnxruntime", "torch", "faiss", "int8")
 TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
 # The faiss scan reads the whole matrix once per query per core, the matrix-product kernels once for all queries:
 # up to this many queries the scan is the faster one. Against torch's bf16 products (torch loaded, a CPU with
@@ -23,6 +24,21 @@ FAISS_SCAN_MAX_QUERIES_NO_TORCH = 4
 FAISS_SCAN_MAX_QUERIES_NO_BF16 = 4
 FAISS_SCAN_MIN_ROWS = 50_000   # below this numpy takes a few ms, less than importing faiss
 ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
+# The int8 pass (``exact_int8``) where the rows' codes are at hand (``codes.ready``: a sidecar written with the
+# index, or made by an earlier search), on a CPU without native bf16 (where it was measured), from this many rows
+# (the sidecar's own threshold), for INT8_MIN_QUERIES..INT8_MAX_QUERIES queries (1 when the faiss scan is not
+# available), and while the packed copy of the codes each process makes for it stays within INT8_MAX_BYTES.
+# 1M rows, 2-core EPYC without AVX-512 (benchmarks/speed/bench_search_many.py, and the same kernels at width 128 on
+# random rows, ms): width 128, 1 / 2 / 4 / 8 / 16 / 32 queries: int8 14.6 / 15.7 / 26.8 / 39.3 / 75 / 154,
+# faiss scan 13.2 / 24.0 / 52.5 / 90.9 / 182, onnxruntime 100 / 80 / 63 / 60 / 78 / 128; width 256 (clustered):
+# int8 33.6 / 36.2 / 59.0 / 101 / 207 / 393, faiss scan 21.4 / 41.6 / 79.0 / 153 / 353, onnxruntime 107 / 111 /
+# 112 / 113 / 158 / 221. The scan stays the faster for one query, onnxruntime's float32 pass from 16.
+INT8_MIN_ROWS = codes.MIN_ROWS
+INT8_MIN_QUERIES = 2
+INT8_MAX_QUERIES = 8
+INT8_MAX_BYTES = 1 << 30
+# searches per kernel in this process (a server's /api/info shows them)
+searches: Counter = Counter()
 
 
 def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk_rows: int | None = None,
@@ -35,7 +51,10 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
         k: results per query; clipped to N.
         chunk_rows: rows scored per step of the numpy kernel (default: an 8 MB float32 block, which stays in cache
             between the conversion and the product).
-        kernel: "numpy", "onnxruntime", "torch", "faiss", or "auto" (``auto_kernel``; see the package docstring).
+        kernel: "numpy", "onnxruntime", "torch", "faiss", "int8", or "auto" (``auto_kernel``; see the package
+            docstring). "int8" makes the rows' int8 codes if they have none (``codes.for_rows``: a sidecar beside a
+            memory-mapped ``.npy``, written once; rows in memory, every call); ``auto`` picks it only where they
+            are at hand.
 
     Returns:
         ``scores`` (Q, k) float32 cosine similarities, best first, ties by row id, and ``ids`` (Q, k) int64 row
@@ -52,7 +71,11 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     if n == 0:   # an empty index: no results, from every kernel
         return np.zeros((len(queries), 0), np.float32), np.zeros((len(queries), 0), np.int64)
     if kernel == "auto":
-        kernel = auto_kernel(n, len(queries), isinstance(embeddings, BF16Rows) or embeddings.dtype == np.float16)
+        sixteen_bit = isinstance(embeddings, BF16Rows) or embeddings.dtype == np.float16
+        kernel = auto_kernel(n, len(queries), sixteen_bit, int8=sixteen_bit and _int8_ready(embeddings))
+    searches[kernel] += 1
+    if kernel == "int8":
+        return exact_int8.search(embeddings, queries, k)
     if kernel == "torch":
         return exact_torch.search(embeddings, queries, k)
     if kernel == "faiss":
@@ -62,16 +85,52 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
     return exact_numpy.search(embeddings, queries, k, chunk_rows)
 
 
-def auto_kernel(n: int, n_queries: int, sixteen_bit: bool) -> str:
+def _int8_ready(embeddings) -> bool:
+    """Whether ``auto`` may use the int8 pass on these rows: enough of them, their codes at hand, not too many
+    for the packed copy, the product exact here, and no session being built for them in the background."""
+    n, dim = embeddings.shape
+    if not (n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_native_bf16()
+            and exact_ort.ort_available() and exact_int8.works(dim)):
+        return False
+    made = codes.for_rows(embeddings, make=False) if codes.ready(embeddings) else None
+    return made is not None and not exact_int8.busy(made)
+
+
+def prepare(embeddings) -> bool:
+    """Ready what ``auto`` will search these rows with, so that a server's first queries do not wait for it: the
+    int8 codes of 16-bit rows ``auto`` would search with them (their sidecar: opened, or made once if the rows have
+    none, ``codes.for_rows``) and, on a thread of its own, the int8 kernel's session (``auto`` uses the other
+    kernels until it is built). Returns whether the int8 codes are at hand."""
+    sixteen_bit = isinstance(embeddings, BF16Rows) or getattr(embeddings, "dtype", None) == np.float16
+    n, dim = embeddings.shape
+    if not (sixteen_bit and n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_native_bf16()
+            and exact_ort.ort_available() and exact_int8.works(dim)):
+        return False
+    try:
+        made = codes.for_rows(embeddings, make=codes.source_file(embeddings) is not None)
+    except ValueError:   # rows that are not finite: the other kernels search them
+        return False
+    if made is not None:
+        exact_int8.prepare(made, background=True)
+    return made is not None
+
+
+def auto_kernel(n: int, n_queries: int, sixteen_bit: bool, int8: bool = False) -> str:
     """The exact-search kernel ``auto`` picks for ``n`` rows and ``n_queries`` queries (see the package docstring):
     the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not); for more, on a CPU with
     native bf16, torch's bf16 matrix products when torch is already imported (importing it costs seconds), else
     onnxruntime's float32 ones (a core dependency, already loaded for the query towers); on a CPU without native
     bf16, where every kernel multiplies in float32, onnxruntime's with torch loaded or not (its one-thread-per-core
-    pass is the faster one there); numpy for small or float32 matrices."""
+    pass is the faster one there); numpy for small or float32 matrices. The int8 pass before all of them where the
+    rows' int8 codes are at hand (``int8``), on a CPU without native bf16, for the query counts where it is
+    measured the faster (``INT8_MIN_QUERIES``..``INT8_MAX_QUERIES``)."""
     if not sixteen_bit:
         return "numpy"
     ort = n >= ORT_MIN_ROWS and exact_ort.ort_available()
+    scan = n >= FAISS_SCAN_MIN_ROWS or "faiss" in sys.modules
+    if (int8 and ort and n >= INT8_MIN_ROWS and not cpu_native_bf16() and n_queries <= INT8_MAX_QUERIES
+            and (n_queries >= INT8_MIN_QUERIES or not (scan and exact_faiss.faiss_scan_available()))):
+        return "int8"
     torch = "torch" in sys.modules and n >= TORCH_MIN_ROWS and (cpu_native_bf16() or not ort)
     few = (FAISS_SCAN_MAX_QUERIES if torch else FAISS_SCAN_MAX_QUERIES_NO_TORCH if cpu_native_bf16()
            else FAISS_SCAN_MAX_QUERIES_NO_BF16)
