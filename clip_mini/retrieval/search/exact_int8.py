@@ -118,7 +118,16 @@ def _grouped(embeddings, codes: C.Int8Codes, queries: np.ndarray, k: int) -> tup
     y = scores(codes, queries)
     m, p, pad = len(queries), y.shape[1], codes.pad
     per, supers = pad // groups.GROUP, pad // groups.BLOCK
-    gmax = y.reshape(m, p // pad, groups.GROUP, per).max(axis=2)          # (m, chunks, per)
+    gmax = np.empty((m, p // pad, per), np.float32)
+    blocks = y.reshape(m, p // pad, groups.GROUP, per)
+    halves = [slice(0, (m + 1) // 2), slice((m + 1) // 2, m)] if m > 1 and groups.cores() > 1 else [slice(0, m)]
+    if len(halves) == 1:
+        np.max(blocks, axis=2, out=gmax)
+    else:   # the queries' maxima on two threads (numpy lets go of the GIL): a pass over all the scores
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda h: np.max(blocks[h], axis=2, out=gmax[h]), halves))
     smax = gmax.reshape(m, p // pad, groups.SUPER, supers).max(axis=2)    # (m, chunks, supers)
     cq, ci = groups.candidates(np.ascontiguousarray(gmax.reshape(m, -1).T),
                                np.ascontiguousarray(smax.reshape(m, -1).T), k,

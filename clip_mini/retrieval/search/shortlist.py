@@ -12,6 +12,7 @@ import numpy as np
 
 # approximate results kept per query (or per faiss part) beyond k: room for near-ties before a second pass
 SCAN_EXTRA = 32
+RESCORE_PAIRS = 1 << 16   # short-listed (query, row) pairs re-scored per read of their rows
 
 Chunks = Callable[[np.ndarray], Iterable[tuple[int, np.ndarray]]]
 # queries -> each query's margin as it is (a kernel whose bound depends on the query, e.g. its quantization)
@@ -104,12 +105,26 @@ def rescore(embeddings, queries: np.ndarray, cq: np.ndarray, ci: np.ndarray, k: 
     row id)."""
     scores = np.empty((len(queries), k), np.float32)
     ids = np.empty((len(queries), k), np.int64)
-    for j in range(len(queries)):
-        rows = np.unique(ci[cq == j])                      # sorted: the memory map is read in order
-        # float64 products rounded once: equal rows get equal scores (a float32 BLAS call can round the rows of
-        # one product differently, by where each falls in its vector blocks), so ties really go by row id.
-        s = (np.asarray(embeddings[rows], dtype=np.float64) @ queries[j].astype(np.float64)).astype(np.float32)
-        # (a BF16Rows index returns its stored values exactly as float32, so these are the stored rows' scores)
-        order = np.lexsort((rows, -s))[:k]
-        scores[j], ids[j] = s[order], rows[order]
+    n = len(embeddings)
+    pairs = np.unique(cq.astype(np.int64) * n + ci)   # by query, then row (sorted, once each)
+    qs, rows = np.divmod(pairs, n)
+    bounds = np.searchsorted(qs, np.arange(len(queries) + 1))
+    start = 0
+    while start < len(queries):   # queries in blocks of up to RESCORE_PAIRS pairs: one read of their rows each
+        stop = max(start + 1, int(np.searchsorted(bounds, bounds[start] + RESCORE_PAIRS, side="right")) - 1)
+        stop = min(stop, len(queries))
+        block = rows[bounds[start]:bounds[stop]]
+        # each row read once, in order (the memory map is read forwards), widened to float64 once
+        unique, where = np.unique(block, return_inverse=True)
+        wide = np.asarray(embeddings[unique], dtype=np.float64)
+        for j in range(start, stop):
+            a, b = bounds[j] - bounds[start], bounds[j + 1] - bounds[start]
+            r = block[a:b]
+            # float64 products rounded once: equal rows get equal scores (a float32 BLAS call can round the rows of
+            # one product differently, by where each falls in its vector blocks), so ties really go by row id.
+            s = (wide[where[a:b]] @ queries[j].astype(np.float64)).astype(np.float32)
+            # (a BF16Rows index returns its stored values exactly as float32, so these are the stored rows' scores)
+            order = np.lexsort((r, -s))[:k]
+            scores[j], ids[j] = s[order], r[order]
+        start = stop
     return scores, ids
