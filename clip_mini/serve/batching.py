@@ -3,14 +3,21 @@
 Exact search costs about the same for 1 query as for 32 (it is bound by reading and converting the stored rows,
 ``benchmarks/results/speed/search.json``), so a server answering requests one by one spends almost all its time
 re-reading the same matrix. ``SearchBatcher`` runs searches in one thread: it takes every query queued while the
-previous batch ran (no waiting window, so a lone query is not delayed), searches them together against one generation,
-and hands each request its own rows. Top-k for a smaller k is the prefix of the batch's top-k (results are sorted best
-first, ties by row id).
+previous batch ran, searches them together against one generation, and hands each request its own rows. Top-k for a
+smaller k is the prefix of the batch's top-k (results are sorted best first, ties by row id).
+
+A lone query is never delayed. But requests whose queries are still being embedded when a batch starts (announced
+with ``expect``), or still on their way in, would otherwise make the next batch: under steady load the clients
+split into groups that take turns, each waiting for the others' passes as well as its own. So a batch waits for
+queries announced and not yet queued, and for as many queries as the last batch had, for at most ``WAIT_SHARE`` of
+the last search's time (``MAX_WAIT_S`` at most): one pass instead of two (``benchmarks/speed/bench_serve.py --arm
+1m``: 8 clients over 1M rows).
 """
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -20,6 +27,8 @@ from clip_mini.retrieval.filters import SearchFilter
 from clip_mini.serve.generations import Generation
 
 MAX_BATCH = 64
+WAIT_SHARE = 0.5    # a batch waits for announced queries up to this share of the last search's time ...
+MAX_WAIT_S = 0.02   # ... and never longer than this
 
 
 class SearchBatcher:
@@ -39,15 +48,29 @@ class SearchBatcher:
         self._start_lock = threading.Lock()
         self.batches = 0   # counters for /api/info: how much batching happened
         self.queries = 0
+        self.waited_s = 0.0   # time batches spent waiting for announced queries
+        self._expected = 0    # queries announced (being embedded) and not yet queued
+        self._expected_lock = threading.Lock()
+        self._last_search_s = 0.0
+        self._last_size = 1   # queries the last batch answered
 
-    def submit(self, features: np.ndarray, k: int, where: Optional[SearchFilter] = None) -> Future:
+    def expect(self, n: int = 1) -> None:
+        """Announce ``n`` queries being embedded now (``submit(..., expected=True)`` takes each back when it queues
+        it; ``expect(-1)`` for one that never comes)."""
+        with self._expected_lock:
+            self._expected += n
+
+    def submit(self, features: np.ndarray, k: int, where: Optional[SearchFilter] = None,
+               expected: bool = False) -> Future:
         """Queue one query row (1, d), optionally filtered (``where``: queries with equal filters are searched
         together); the future gives the generation searched, scores (k,) and row ids (k,) (fewer when fewer rows
-        pass the filter)."""
+        pass the filter). ``expected``: the query was announced (``expect``)."""
         self._ensure_thread()
         future: Future = Future()
         where = where if where is not None and where.active else None
         self._queue.put((np.asarray(features, np.float32).reshape(1, -1), k, where, future))
+        if expected:   # after the put: the batch thread never sees it neither announced nor queued
+            self.expect(-1)
         return future
 
     def search(self, features: np.ndarray, k: int, where: Optional[SearchFilter] = None
@@ -62,14 +85,35 @@ class SearchBatcher:
                     self._thread = threading.Thread(target=self._run, name="clip-mini-search", daemon=True)
                     self._thread.start()
 
+    def _take(self, batch: list) -> None:
+        """Add what is queued (up to ``MAX_BATCH``), then, while queries are announced (or fewer than the last
+        batch's have come) and the wait allows, those that arrive."""
+        deadline = None
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+                continue
+            except queue.Empty:
+                pass
+            if self._expected <= 0 and len(batch) >= self._last_size:
+                return
+            if deadline is None:
+                deadline = time.perf_counter() + min(MAX_WAIT_S, WAIT_SHARE * self._last_search_s)
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            start = time.perf_counter()
+            try:
+                batch.append(self._queue.get(timeout=min(left, 0.002)))
+            except queue.Empty:
+                pass
+            self.waited_s += time.perf_counter() - start
+
     def _run(self) -> None:
         while True:
             batch = [self._queue.get()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            self._take(batch)
+            started = time.perf_counter()
             try:
                 gen = self._current()
             except BaseException as e:
@@ -90,5 +134,7 @@ class SearchBatcher:
                     continue
                 for row, (_, k, _, future) in enumerate(group):
                     future.set_result((gen, scores[row, :k], ids[row, :k]))
+            self._last_search_s = time.perf_counter() - started
+            self._last_size = len(batch)
             self.batches += 1
             self.queries += len(batch)

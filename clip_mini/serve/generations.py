@@ -14,7 +14,9 @@ Conversion is exact: the scores are the library's. A larger one is searched wher
 memory map, by the library's kernels that read 16-bit rows in place (``clip_mini.retrieval.search``): the map's
 pages are the page cache's, so ``--workers N`` hold one copy of the rows between them (a private float32 copy would
 be twice the file's size in every worker, and a reload would need room for two of them), and opening a
-generation reads nothing but its checksums.
+generation reads nothing but its checksums. The same holds for the rows' int8 codes (``search.codes``), the int8
+kernel's first pass, a memory-mapped sidecar of the generation: opening one checks it (and makes it, once, for an
+index written before them).
 
 Files are served only from inside the index's image root (``Generation.image_file``): the items file and its
 checksums detect damage, not tampering, so a row rewritten to name any other file on the disk must not make the
@@ -166,6 +168,8 @@ class IndexWatcher:
         if (not uses_faiss(index) and len(index) < self.float32_max_rows
                 and len(index) * index.dim * 4 <= self.float32_cache_bytes):
             rows32 = np.asarray(index.embeddings, dtype=np.float32)
+        elif not uses_faiss(index):
+            S.prepare(index.embeddings)   # the int8 codes (made once if the index has none): not on a first query
         roots = image_roots(index)
         return Generation(index, stamp, time.time(), rows32, *roots, open_s=time.perf_counter() - start)
 
