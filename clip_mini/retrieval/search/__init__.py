@@ -5,7 +5,7 @@ Exact search has five kernels with the same result, the float32 top-K of the row
 
 * int8 (``exact_int8``): where the rows' int8 codes are at hand (``codes``: a memory-mapped sidecar that
   ``clip-mini index`` writes beside the rows of each generation of 65,536 rows or more, or that an earlier int8
-  search made), on a CPU without native bf16, for the query counts where it is measured faster (2 to 8:
+  search made), on a CPU without native bf16, for the query counts where it is measured faster (1 to 8:
   ``dispatch.INT8_MIN_QUERIES``). An 8-bit integer product over one byte a value, its error bound computed from the
   codes' stored residuals and the query's own quantization.
 

@@ -26,15 +26,17 @@ FAISS_SCAN_MIN_ROWS = 50_000   # below this numpy takes a few ms, less than impo
 ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
 # The int8 pass (``exact_int8``) where the rows' codes are at hand (``codes.ready``: a sidecar written with the
 # index, or made by an earlier search), on a CPU without native bf16 (where it was measured), from this many rows
-# (the sidecar's own threshold), for INT8_MIN_QUERIES..INT8_MAX_QUERIES queries (1 when the faiss scan is not
-# available), and while the packed copy of the codes each process makes for it stays within INT8_MAX_BYTES.
+# (the sidecar's own threshold), for INT8_MIN_QUERIES..INT8_MAX_QUERIES queries, and while the packed copy of the
+# codes each process makes for it stays within INT8_MAX_BYTES.
 # 1M rows, 2-core EPYC without AVX-512 (benchmarks/speed/bench_search_many.py, and the same kernels at width 128 on
 # random rows, ms): width 128, 1 / 2 / 4 / 8 / 16 / 32 queries: int8 14.6 / 15.7 / 26.8 / 39.3 / 75 / 154,
 # faiss scan 13.2 / 24.0 / 52.5 / 90.9 / 182, onnxruntime 100 / 80 / 63 / 60 / 78 / 128; width 256 (clustered):
 # int8 33.6 / 36.2 / 59.0 / 101 / 207 / 393, faiss scan 21.4 / 41.6 / 79.0 / 153 / 353, onnxruntime 107 / 111 /
-# 112 / 113 / 158 / 221. The scan stays the faster for one query, onnxruntime's float32 pass from 16.
+# 112 / 113 / 158 / 221; onnxruntime's float32 pass is the faster from 16 queries. One query, measured again 15
+# times round-robin: int8 16.2 / faiss 16.3 (width 128), 38.2 / 38.4 (256): a tie, and the int8 pass is the pick
+# (bench_search_many's one query, width 256: int8 19.2, faiss 23.1).
 INT8_MIN_ROWS = codes.MIN_ROWS
-INT8_MIN_QUERIES = 2
+INT8_MIN_QUERIES = 1
 INT8_MAX_QUERIES = 8
 INT8_MAX_BYTES = 1 << 30
 # searches per kernel in this process (a server's /api/info shows them)
@@ -87,10 +89,11 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
 
 def _int8_ready(embeddings) -> bool:
     """Whether ``auto`` may use the int8 pass on these rows: enough of them, their codes at hand, not too many
-    for the packed copy, the product exact here, and no session being built for them in the background."""
+    for the packed copy, the product checked exact here (by ``prepare``, or an int8 search before: ``auto`` does
+    not stop to check it), and no session being built for them in the background."""
     n, dim = embeddings.shape
     if not (n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_native_bf16()
-            and exact_ort.ort_available() and exact_int8.works(dim)):
+            and exact_int8.checked(dim)):
         return False
     made = codes.for_rows(embeddings, make=False) if codes.ready(embeddings) else None
     return made is not None and not exact_int8.busy(made)
@@ -99,12 +102,12 @@ def _int8_ready(embeddings) -> bool:
 def prepare(embeddings) -> bool:
     """Ready what ``auto`` will search these rows with, so that a server's first queries do not wait for it: the
     int8 codes of 16-bit rows ``auto`` would search with them (their sidecar: opened, or made once if the rows have
-    none, ``codes.for_rows``) and, on a thread of its own, the int8 kernel's session (``auto`` uses the other
-    kernels until it is built). Returns whether the int8 codes are at hand."""
+    none, ``codes.for_rows``) and, on a thread of its own, the check of the int8 product and the kernel's session
+    (``auto`` uses the other kernels until they are ready). Returns whether the int8 codes are at hand."""
     sixteen_bit = isinstance(embeddings, BF16Rows) or getattr(embeddings, "dtype", None) == np.float16
     n, dim = embeddings.shape
     if not (sixteen_bit and n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_native_bf16()
-            and exact_ort.ort_available() and exact_int8.works(dim)):
+            and dim <= exact_int8.MAX_DIM and exact_ort.ort_available()):
         return False
     try:
         made = codes.for_rows(embeddings, make=codes.source_file(embeddings) is not None)
@@ -127,9 +130,8 @@ def auto_kernel(n: int, n_queries: int, sixteen_bit: bool, int8: bool = False) -
     if not sixteen_bit:
         return "numpy"
     ort = n >= ORT_MIN_ROWS and exact_ort.ort_available()
-    scan = n >= FAISS_SCAN_MIN_ROWS or "faiss" in sys.modules
-    if (int8 and ort and n >= INT8_MIN_ROWS and not cpu_native_bf16() and n_queries <= INT8_MAX_QUERIES
-            and (n_queries >= INT8_MIN_QUERIES or not (scan and exact_faiss.faiss_scan_available()))):
+    if (int8 and ort and n >= INT8_MIN_ROWS and not cpu_native_bf16()
+            and INT8_MIN_QUERIES <= n_queries <= INT8_MAX_QUERIES):
         return "int8"
     torch = "torch" in sys.modules and n >= TORCH_MIN_ROWS and (cpu_native_bf16() or not ort)
     few = (FAISS_SCAN_MAX_QUERIES if torch else FAISS_SCAN_MAX_QUERIES_NO_TORCH if cpu_native_bf16()

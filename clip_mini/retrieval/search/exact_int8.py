@@ -3,8 +3,8 @@ memory-mapped beside them), exact re-scoring of a short list from the stored row
 
 Each query is scaled so that its largest component is 127 (a positive factor per query: the ranking of the rows is
 the same), rounded to 8-bit codes, and multiplied by every row's codes at once: onnxruntime's
-``MatMulIntegerToFloat`` over the codes as a constant operand, read from the sidecar file itself (external data:
-its pages are the page cache's), times each row's scale. Both operands are unsigned bytes with zero point 128, the
+``MatMulIntegerToFloat`` over the codes as a constant operand, which onnxruntime reads from the sidecar file
+itself (external data: nothing is copied through Python), times each row's scale. Both operands are unsigned bytes with zero point 128, the
 product MLAS's u8 x u8 kernel, which widens to 16 bits before multiplying: no int16 pair sums to saturate (AVX2's
 u8 x s8 instruction would, with 8-bit queries), and ``_check_product`` proves the integer product exact on this
 machine before the kernel's first use. The integer product is exact in int32 and in float32 (below 2^24 for
@@ -17,10 +17,11 @@ codes, and the query's own, plus the float32 rounding) of the approximate K-th b
 (``groups.candidates``), re-scored exactly (``shortlist.rescore``): the float32 top-K of the rows as stored, ties by
 row id, as every kernel gives it.
 
-onnxruntime packs the constant codes for its kernel once per session (a private copy the size of the codes, per
-process: what makes the pass fast; a product over codes bound per call, packed on every call, measured no faster
-than the float32 pass), so one session is kept per open codes (``codes.for_rows`` keeps the latest few).
-Where it is the faster: ``dispatch.INT8_MIN_QUERIES``.
+onnxruntime packs the constant codes for its kernel once per session: a private copy the size of the codes in
+each process (``clip-mini serve --workers 2``: two), what makes the pass fast (the same product over codes bound
+per call, packed on every call, measured no faster than the float32 pass; 1M x 128 codes, 8 queries: 13 ms
+against 27 ms for the product alone). One session is kept per open codes (``codes.for_rows`` keeps the latest
+few), built in about a second per million rows of width 128. Where it is the faster: ``dispatch.INT8_MIN_QUERIES``.
 """
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ def margins(queries: np.ndarray, codes: C.Int8Codes) -> np.ndarray:
     return bounds.quantized_margin(np.linalg.norm(qn, axis=1), np.linalg.norm(qn - qc, axis=1),
                                    np.linalg.norm(qc.astype(np.float64), axis=1), codes.row_error, codes.code_norm,
                                    roundings)
+
+
+def checked(dim: int) -> bool | None:
+    """What ``works`` found for this width, without checking now: None until it has run."""
+    return _checked.get(dim)
 
 
 def works(dim: int) -> bool:
@@ -154,10 +160,12 @@ def scores(codes: C.Int8Codes, queries: np.ndarray) -> np.ndarray:
 
 
 def prepare(codes: C.Int8Codes, background: bool = False) -> None:
-    """Build the session for ``codes`` now (about a second per million rows of width 128: reading and packing the
-    codes), not at the first search; ``background``: on a thread of its own, while ``busy`` says so."""
+    """Check the product (``works``) and build the session for ``codes`` now (about a second per million rows of
+    width 128: reading and packing the codes), not at the first search; ``background``: on a thread of its own,
+    while ``busy`` says so."""
     if not background:
-        _session(codes)
+        if works(codes.shape[1]):
+            _session(codes)
         return
     with _session_lock:
         if codes in _sessions or codes in _building:
@@ -166,7 +174,8 @@ def prepare(codes: C.Int8Codes, background: bool = False) -> None:
 
     def build() -> None:
         try:
-            _session(codes)
+            if works(codes.shape[1]):
+                _session(codes)
         except Exception:   # the search that needs it builds it again, and reports the error
             pass
         finally:
