@@ -1,5 +1,6 @@
 """Many queries at once: exact top-10 over 1M float16 rows against the fp32 compute floor, torch-free and with
-torch loaded, every kernel forced and ``auto``.
+torch loaded, every kernel forced and ``auto``, with the rows' int8 codes at hand (their sidecar, as ``clip-mini
+index`` writes it: made once before the timed rounds, ``int8_codes_s``).
 
     python benchmarks/speed/bench_search_many.py [--rows 1000000] [--dim 256] [--queries 1 8 64] [--repeats 7]
 
@@ -10,7 +11,7 @@ as ``EmbeddingIndex`` stores them; queries are random unit vectors. For each que
   this run (``fp32_peak_gflops``: a warm 2048^3 product, best of several, numpy's BLAS in both processes and
   torch.mm in the torch one; measured again between the timed rounds, so a busy moment lowers no figure).
 * ``torch_free`` (a fresh process that never imports torch, as a ``clip-mini search`` runs) and ``torch_loaded``
-  (a server, a notebook): ``auto`` and each kernel forced (numpy, onnxruntime, faiss's scan, torch where loaded),
+  (a server, a notebook): ``auto`` and each kernel forced (numpy, onnxruntime, faiss's scan, int8, torch where loaded),
   timed round-robin (one call of each per round, so a change of load hits every arm alike): p50 / p95 of
   ``repeats`` rounds after a warm-up, ``x_floor`` (p50 over the floor), whether the ids equal the numpy kernel's
   (every kernel's rule: the float32 top-K of the rows as stored, ties by row id) and ``recall_at_10_by_score``
@@ -84,15 +85,17 @@ def recall_by_scores(scores: np.ndarray, ref: np.ndarray) -> float:
 def arms(path: str, queries: list[int], repeats: int, torch_loaded: bool) -> dict:
     """Every kernel this process has, and ``auto``, per query count (see the module docstring)."""
     from clip_mini.retrieval import search as S
-    from clip_mini.retrieval.search import exact_ort, exact_search
+    from clip_mini.retrieval.search import codes, exact_int8, exact_ort, exact_search
 
     emb = np.load(path, mmap_mode="r")
     n, dim = emb.shape
+    int8 = codes.ready(emb) and exact_int8.works(dim)   # the sidecar the parent process made
     rng = np.random.default_rng(1)
     qr = rng.standard_normal((max(queries), dim)).astype(np.float32)
     qr /= np.linalg.norm(qr, axis=1, keepdims=True)
     kernels = ["numpy"] + (["onnxruntime"] if exact_ort.ort_available() else []) \
-        + (["faiss"] if S.faiss_scan_available() else []) + (["torch"] if torch_loaded else [])
+        + (["faiss"] if S.faiss_scan_available() else []) + (["int8"] if int8 else []) \
+        + (["torch"] if torch_loaded else [])
     libraries = ["numpy"] + (["torch"] if torch_loaded else [])
     peaks = {lib: sgemm_peak(lib) for lib in libraries}
     out: dict = {}
@@ -114,7 +117,7 @@ def arms(path: str, queries: list[int], repeats: int, torch_loaded: bool) -> dic
                 times[name].append(time.perf_counter() - t)
             for lib in libraries:   # a quiet moment between rounds raises the peak: the floor only gets stricter
                 peaks[lib] = max(peaks[lib], sgemm_peak(lib, seconds=0.15))
-        row = {"kernel": S.auto_kernel(n, m, True)}
+        row = {"kernel": S.auto_kernel(n, m, True, int8=int8)}
         for name in names:
             row[name] = {"p50_ms": round(1000 * float(np.percentile(times[name], 50)), 2),
                          "p95_ms": round(1000 * float(np.percentile(times[name], 95)), 2), **checks[name]}
@@ -126,7 +129,7 @@ def arms(path: str, queries: list[int], repeats: int, torch_loaded: bool) -> dic
         row["picked_vs_fastest"] = round(row[row["kernel"]]["p50_ms"] / row[forced]["p50_ms"], 3)
         out[f"q{m}"] = row
     return {"arms": out, "fp32_peak_gflops": {lib: round(v, 1) for lib, v in peaks.items()},
-            "torch_imported": "torch" in sys.modules}
+            "torch_imported": "torch" in sys.modules, "int8_codes": int8}
 
 
 def main(argv=None) -> dict:
@@ -150,6 +153,13 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="clip_mini_bench_") as tmp:
         path = Path(tmp) / "emb.npy"
         np.save(path, clustered(args.rows, args.dim))
+        from clip_mini.retrieval.search import codes
+
+        t = time.perf_counter()
+        made = codes.write_beside(path)   # the int8 sidecar, as ``clip-mini index`` writes it with the rows
+        result["int8_codes_s"] = round(time.perf_counter() - t, 2)
+        result["int8_row_error"], result["int8_code_norm"] = round(made.row_error, 5), round(made.code_norm, 5)
+        del made
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         r = subprocess.run([sys.executable, __file__, "--arm", str(path), "--repeats", str(args.repeats),
                             "--queries", *map(str, args.queries)], capture_output=True, text=True, env=env)
@@ -172,6 +182,7 @@ def main(argv=None) -> dict:
                 if isinstance(arm, dict):
                     arm["x_floor"] = round(arm["p50_ms"] / result["floor_ms"][key], 3)
         result[name] = part["arms"]
+    result["int8_codes"] = free["int8_codes"] and loaded["int8_codes"]
     q = f"q{max(args.queries)}"
     result["meets_target"] = {name: result[name][q]["auto"]["x_floor"] <= TARGET_X_FLOOR
                               for name in ("torch_free", "torch_loaded")}

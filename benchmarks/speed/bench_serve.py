@@ -29,12 +29,17 @@ float16, 512 MB) and measures, first with ``--workers 1``, then ``--workers 2``:
   checksums, memory map, items); once with a fresh checksum cache (the embeddings are hashed, as on the first start
   after ``clip-mini index``) and once more (the checksum remembered). Target: the index opens in <= 2 s.
 * latency: C clients as above, after the torch model loaded in the background at start (not measured), with the CPU
-  seconds each serving process used (how the load split between workers). Targets at 8 clients: p50 <= 50 ms,
+  seconds each serving process used (how the load split between workers), the exact-search kernels that served
+  (``exact_kernels``, from ``/api/info``: the int8 pass over the codes ``clip-mini index`` writes beside the rows,
+  where ``auto`` picks it) and the queries per search pass (``mean_batch``). Targets at 8 clients: p50 <= 50 ms,
   p99 <= 200 ms, no failures.
-* memory, after every worker has searched all the rows: each process's RSS and proportional set size (PSS, from
+* memory, after the latency points: each process's RSS and proportional set size (PSS, from
   ``/proc/PID/smaps_rollup``: a page shared by two processes counts half in each), its anonymous (private) PSS,
-  and the RSS and PSS of its mapping of the embeddings file (``/proc/PID/smaps``). Shared: each worker maps all of
-  the file (RSS) and holds half of it (PSS); no worker keeps a float32 copy.
+  and the RSS and PSS of its mappings of the embeddings file and of their int8 codes (``/proc/PID/smaps``). The rows
+  count once at most between the workers, and no worker keeps a float32 copy; where the int8 pass serves, each
+  worker holds its own packed copy of the codes (``codes_mb``, in its anonymous PSS: onnxruntime's int8 product
+  packs its constant operand) and reads the rows only where it re-scores; without codes, every worker has read all
+  the rows first (each maps all of the file, RSS, and holds half of it, PSS).
 * a swap (the ``--swap-workers`` server): ``--swap-clients`` clients search while another process writes and
   publishes a whole new generation of the same size, as ``clip-mini index --add`` does; every request is recorded
   with its start, latency and the generation that answered. Reported per phase: before the writer, while it writes
@@ -448,11 +453,25 @@ def touch_all_rows(proc: subprocess.Popen, workers: int, port: int, mapped_name:
 
 def latency_point(proc: subprocess.Popen, workers: int, url: str, clients: int, seconds: float,
                   warmup: float) -> dict:
-    """``drive`` plus the CPU seconds each serving process used meanwhile (how the load split among workers)."""
+    """``drive`` plus the CPU seconds each serving process used meanwhile (how the load split among workers), and
+    from the serving process that answers ``/api/info`` (one of them, with several workers): the exact-search
+    kernels that served the point's searches (warm-up included) and the mean number of queries a search pass
+    answered (``mean_batch``)."""
+    import httpx
+
     serving = [p for p, role in server_processes(proc, workers).items() if role in ("server", "worker")]
     before = {p: cpu_seconds(p) for p in serving}
+    info = httpx.get(f"{url}/api/info", timeout=30).json()["backend"]
     point = asyncio.run(drive(int(url.rsplit(":", 1)[1]), clients, seconds, warmup))
     point["worker_cpu_s"] = [round(cpu_seconds(p) - before[p], 2) for p in serving]
+    after = httpx.get(f"{url}/api/info", timeout=30).json()["backend"]
+    if workers == 1:   # with several, the two answers may come from different workers
+        kernels = {k: v - info.get("exact_kernels", {}).get(k, 0) for k, v in after.get("exact_kernels", {}).items()}
+        point["exact_kernels"] = {k: v for k, v in kernels.items() if v}
+        point["mean_batch"] = round((after["batched_queries"] - info["batched_queries"])
+                                    / max(after["batches"] - info["batches"], 1), 2)
+    else:
+        point["exact_kernels_one_worker"] = after.get("exact_kernels", {})
     point["meets_targets"] = (point["failures"] == 0 and point.get("p50_ms", 1e9) <= TARGETS_1M["p50_ms"]
                               and point.get("p99_ms", 1e9) <= TARGETS_1M["p99_ms"])
     return point
@@ -544,7 +563,9 @@ def run_1m(args, tmp: Path, model: Path, image: Path) -> dict:
     QueryEngine.load(model).encode_text(["export the towers before anything is timed"])   # ONNX export, once
     manifest = json.loads((index / "manifest.json").read_text())
     rows_mb = (index / manifest["files"]["embeddings"]).stat().st_size / 2 ** 20
+    codes_file = index / manifest["files"]["embeddings"].replace(".npy", ".int8")
     out = {"rows": n, "dim": manifest["dim"], "dtype": manifest["dtype"], "embeddings_mb": round(rows_mb, 1),
+           "int8_codes_mb": round(codes_file.stat().st_size / 2 ** 20, 1) if codes_file.exists() else None,
            "build_s": round(build_s, 1), "clients": args.clients, "seconds": args.seconds,
            "targets": TARGETS_1M, "startup": {}, "latency": {}}
     caches: list[Path] = []
@@ -576,29 +597,44 @@ def run_1m(args, tmp: Path, model: Path, image: Path) -> dict:
             port = int(url.rsplit(":", 1)[1])
             # the generation this server opened (the swap below publishes the next one)
             emb_name = f"embeddings-{timings['generation']}.npy"
+            # the int8 codes beside the rows (``search.codes``): where the int8 pass serves, each worker packs its own
+            # copy of them for onnxruntime's product when it opens the generation (private memory, the codes' size)
+            # and reads the rows only where it re-scores; else every search reads all the rows
+            codes_name = emb_name.replace(".npy", ".int8")
+            codes_mb = (index / codes_name).stat().st_size / 2 ** 20 if (index / codes_name).exists() else None
             wait_attention(url)
-            touched = touch_all_rows(proc, workers, port, emb_name, rows_mb)
+            touched = None if codes_mb else touch_all_rows(proc, workers, port, emb_name, rows_mb)
             for c in args.clients:
                 point = {"workers": workers, "rows": n, **latency_point(proc, workers, url, c, args.seconds,
                                                                          args.warmup)}
                 out["latency"][f"w{workers}_c{c}"] = point
                 print(json.dumps(point), flush=True)
-            procs = [{"role": role, **process_memory(p, emb_name)}
+            procs = [{"role": role, **process_memory(p, emb_name),
+                      **{f"codes_{k.split('_', 1)[1]}": v for k, v in process_memory(p, codes_name).items()
+                         if k.startswith("embeddings_")}}
                      for p, role in server_processes(proc, workers).items()]
             served = [m for m in procs if m["role"] in ("server", "worker")]
-            mem = {"every_worker_read_all_rows": touched, "processes": procs,
+            mem = {"read_whole": "int8 codes (packed per worker)" if codes_mb else "embeddings",
+                   "codes_mb": round(codes_mb, 1) if codes_mb else None, "every_worker_read_all_rows": touched,
+                   "processes": procs,
                    **{f"worker_{key}": [m[key] for m in served]
-                      for key in ("pss_mb", "pss_anon_mb", "embeddings_rss_mb", "embeddings_pss_mb")}}
-            for key in ("pss_mb", "rss_mb", "embeddings_pss_mb", "embeddings_rss_mb"):
+                      for key in ("pss_mb", "pss_anon_mb", "embeddings_rss_mb", "embeddings_pss_mb", "codes_rss_mb",
+                                  "codes_pss_mb")}}
+            for key in ("pss_mb", "rss_mb", "embeddings_pss_mb", "embeddings_rss_mb", "codes_pss_mb", "codes_rss_mb"):
                 mem[f"total_{key}"] = round(sum(m[key] for m in procs), 1)
-            # counted once: every worker has all of the file resident (the RSS counts it once per worker) while the
-            # PSS of the mappings adds up to one file, and no worker keeps a float32 copy of its own (private memory
-            # the mapping figures would not show; the rule is the same in every worker, so one worker's answer)
+            # counted once: no worker keeps a float32 copy of its own (private memory the mapping figures would not
+            # show; the rule is the same in every worker, so one worker's answer) and the PSS of the mappings of
+            # the rows (and of the codes file) adds up to one file at most; searched without codes, every worker
+            # also has all of the rows resident (the RSS counts them once per worker)
             info = httpx.get(f"{url}/api/info", timeout=30).json()
             mem["float32_rows_bytes"] = info["backend"]["float32_rows_bytes"]
-            mem["embeddings_counted_once"] = (touched and mem["float32_rows_bytes"] == 0
-                                              and abs(mem["total_embeddings_pss_mb"] - rows_mb) <= 0.02 * rows_mb
-                                              and mem["total_embeddings_rss_mb"] >= 0.99 * workers * rows_mb)
+            mem["embeddings_counted_once"] = (mem["float32_rows_bytes"] == 0
+                                              and mem["total_embeddings_pss_mb"] <= 1.02 * rows_mb
+                                              and mem["total_codes_pss_mb"] <= 1.02 * (codes_mb or 0)
+                                              and (codes_mb is not None or (
+                                                  touched and abs(mem["total_embeddings_pss_mb"] - rows_mb)
+                                                  <= 0.02 * rows_mb
+                                                  and mem["total_embeddings_rss_mb"] >= 0.99 * workers * rows_mb)))
             out[f"memory_w{workers}"] = mem
             print(json.dumps({f"memory_w{workers}": mem}), flush=True)
             if workers == args.swap_workers:
