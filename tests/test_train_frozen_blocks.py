@@ -207,8 +207,9 @@ def test_training_last_block_learns_resumes_bitwise_and_eval_matches_pixels(shap
     trained = json.loads((out / "best" / "config.json").read_text())["trained"]
     row = next(r for r in _rows(out) if r["kind"] == "epoch" and r["epoch"] == trained["epoch"])
     capsys.readouterr()
+    # at the run's precision (eval's auto is bf16 on a CPU that has it natively)
     assert main(["eval", "--model", str(out / "best"), "--data", str(out / "config.yaml"), "--split", "val",
-                 "--json"]) == 0
+                 "--precision", "fp32", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     for k in [f"{d}_{m}" for d in ("t2i", "i2t") for m in ("r1", "r5", "r10", "medr")] + ["rsum", "loss"]:
         assert got[k] == pytest.approx(row[f"val_{k}"], abs=1e-5), k
