@@ -1051,7 +1051,7 @@ def demo_budget(doc: Doc) -> None:
                fill(f, "{runs.%d.steps}" % i), fill(f, "{runs.%d.val.t2i_r1:.3f}" % i),
                fill(f, "{runs.%d.compositional.t2i_r1:.3f}" % i),
                fill(f, "{runs.%d.search.large_red_circle_on_left}" % i),
-               fill(f, "{runs.%d.search.large_red_circle_anywhere}" % i), cpu_kind(f),
+               fill(f, "{runs.%d.search.large_red_circle_anywhere}" % i), cpu_kind_of(r.get("cpu") or data["machine"]),
                "`python benchmarks/studies/demo_budget.py --variant %s --seeds %d`" % (r["variant"], r["seed"])])
     doc.add("")
     for i, d in enumerate(data.get("demo", [])):
@@ -1060,7 +1060,7 @@ def demo_budget(doc: Doc) -> None:
                             "steps ({demo.%d.precision}, {demo.%d.patch_size} px patches, positions started "
                             "{demo.%d.pos_init}, warm-up {demo.%d.warmup_steps} steps), "
                             "{demo.%d.large_red_circle_on_left} of 16 on the left; on the %s.\n"
-                            % (i, i, i, i, i, i, i, i, i, cpu_kind(f)))
+                            % (i, i, i, i, i, i, i, i, i, cpu_kind_of(d.get("cpu") or data["machine"])))
         doc.add(text, src)
 
 

@@ -99,6 +99,7 @@ def one_run(variant: str, seed: int, out: Path, extra: list[str] = ()) -> dict:
                            env={**os.environ, **ENV})
     res = json.loads(probe.stdout.strip().splitlines()[-1])
     return {"variant": variant, "overrides": VARIANTS[variant], "seed": seed, "cpu_kind": machine_info()["cpu_kind"],
+            "cpu": _cpu(),
             "command": "OMP_WAIT_POLICY=PASSIVE python " + " ".join(cmd[1:]).replace(str(out), "runs/demo_budget"),
             "precision": summary["precision"], "train_wall_s": round(train_s, 1), "steps": summary["step"],
             "budget_plan": {k: summary["budget"].get(k) for k in ("total", "step_s", "epochs", "one_time_s")},
@@ -126,8 +127,14 @@ def demo_end_to_end() -> dict:
             "train_s": round(summary["time_s"], 1), "steps": summary["step"], "precision": summary["precision"],
             "large_red_circle_on_left": hits["large_red_circle_on_left"],
             "large_red_circle_anywhere": hits["large_red_circle_anywhere"],
-            "cpu_kind": machine_info()["cpu_kind"], "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+            "cpu_kind": machine_info()["cpu_kind"], "cpu": _cpu(), "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
             **_tiny_start()}
+
+
+def _cpu() -> dict:
+    """The CPU a row ran on (the file's ``machine`` is the last writer's: rows of other CPUs are kept beside it)."""
+    m = machine_info()
+    return {k: m.get(k) for k in ("cpu_model", "isa", "cpu_kind")}
 
 
 def _tiny_start() -> dict:
