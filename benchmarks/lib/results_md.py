@@ -131,6 +131,7 @@ def speed_table(doc: Doc, rows: list[tuple[str, str, str, str]]) -> None:
 QUALITY_RUNS = {
     "quality_flickr8k_vit_amx.json": "--variants vit_amx=configs/flickr8k-vit.yaml --final --budget-min 30",
     "quality_flickr8k_vit_nobf16.json": "--variants nobf16=configs/flickr8k-vit.yaml --budget-min 30 --final",
+    "quality_flickr8k_vit_bf16.json": "--variants bf16=configs/flickr8k-vit.yaml --budget-min 30 --final",
     "quality_flickr8k_vit_nobf16_b4v1.json": "--variants nobf16_b4v1=configs/flickr8k-vit.yaml --budget-min 30 "
                                              "--set model.vision.trainable_blocks=4 --set train.frozen_features=1",
     "quality_flickr8k_vit_nobf16_b4v1t3.json": "--variants nobf16_b4v1t3=configs/flickr8k-vit.yaml --budget-min 30 "
@@ -519,7 +520,7 @@ SUMMARY = [
      "{test.shipped.t2i_r5:.3f} / {test.shipped.i2t_r5:.3f}", "qu"),
     ("Flickr8k test R@5 t2i / i2t, `configs/flickr8k-vit.yaml`, 30 min", V.format("vit_amx"),
      "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
-    ("same config and command", V.format("vit_b8clsmean"),
+    ("same config and command", V.format("vit_bf16"),
      "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
     ("same (its `fp32:` section)", "quality/quality_flickr8k_vit_nobf16.json",
      "{results.0.best.test.t2i_r5:.3f} / {results.0.best.test.i2t_r5:.3f}", "qu"),
