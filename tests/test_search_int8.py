@@ -215,13 +215,33 @@ def test_an_inexact_integer_product_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="not exact"):
         exact_int8._check_product(lambda m, s: _Product(m, s, True), 24)
     monkeypatch.setattr(exact_int8, "_checked", {})
-    monkeypatch.setattr(exact_int8, "_build", lambda m, s, codes, threads: _Product(m, s, True))
+    monkeypatch.setattr(exact_int8, "_build", lambda m, s, codes, threads, signed=False: _Product(m, s, True))
     assert not exact_int8.works(24)
     with pytest.raises(ValueError, match="does not run here"):
         S.exact_search(np.ones((10, 24), np.float16), np.ones(24, np.float32), 3, kernel="int8")
-    monkeypatch.setattr(exact_int8, "_checked", {})
-    monkeypatch.setattr(exact_int8, "_build", lambda m, s, codes, threads: _Product(m, s, False))
-    assert exact_int8.works(24)
+    # the u8 x s8 product where it is exact (VNNI), else the u8 x u8 one (AVX2: its u8 x s8 instruction saturates)
+    for signed_exact in (True, False):
+        monkeypatch.setattr(exact_int8, "_checked", {})
+        monkeypatch.setattr(exact_int8, "_signed", {})
+        monkeypatch.setattr(exact_int8, "_build", lambda m, s, codes, threads, signed=False:
+                            _Product(m, s, saturating=signed and not signed_exact))
+        assert exact_int8.works(24) and exact_int8._signed[24] is signed_exact
+
+
+def test_the_products_this_machine_runs_are_exact():
+    """Both sessions ``_build`` makes, on the machine's own onnxruntime: the u8 x s8 one (codes folded from the
+    stored bytes) where ``works`` takes it, and the u8 x u8 one, each equal to numpy's integer product."""
+    pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(3)
+    matrix = rng.integers(1, 256, (40, 300)).astype(np.uint8)
+    A = rng.integers(1, 256, (9, 40)).astype(np.uint8)
+    want = ((A.astype(np.int64) - C.ZERO) @ (matrix.astype(np.int64) - C.ZERO)).astype(np.float32)
+    unsigned = exact_int8._build(matrix, np.ones(300, np.float32), None, 1, signed=False)
+    np.testing.assert_array_equal(unsigned.run(["Y"], {"A": A})[0], want)
+    assert exact_int8.works(40)
+    if exact_int8._signed[40]:
+        signed = exact_int8._build(matrix, np.ones(300, np.float32), None, 1, signed=True)
+        np.testing.assert_array_equal(signed.run(["Y"], {"A": A})[0], want)
 
 
 # -- the sidecar -----------------------------------------------------------------------------------------------------
@@ -368,8 +388,8 @@ def test_commit_writes_the_sidecar_and_drops_an_old_generations(tmp_path, monkey
 
 # -- auto ------------------------------------------------------------------------------------------------------------
 def test_auto_picks_int8_only_where_the_codes_are_at_hand(tmp_path, monkeypatch):
-    # auto's int8 rule is for CPUs without native bf16: on one that has it, the test takes that decision
-    monkeypatch.setattr(dispatch, "cpu_native_bf16", lambda: False)
+    # auto's int8 rule is for CPUs without AMX: on one that has it, the test takes that decision
+    monkeypatch.setattr(dispatch, "cpu_amx", lambda: False)
     monkeypatch.setattr(dispatch, "INT8_MIN_ROWS", 1000)
     monkeypatch.setattr(dispatch, "ORT_MIN_ROWS", 1000)
     rows, _ = _rows("random", "float16", 3000, 32, seed=12)

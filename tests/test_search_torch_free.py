@@ -156,11 +156,13 @@ def test_auto_picks_torch_free_kernels_without_torch(tmp_path):
     assert out.stdout.split() == ["exact_faiss", "exact_ort", "False"]
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_auto_kernel_choices(native_bf16, monkeypatch):
+@pytest.mark.parametrize("kind", ["amx", "avx512_bf16", "no_bf16"])
+def test_auto_kernel_choices(kind, monkeypatch):
     from clip_mini.retrieval.search import dispatch
 
+    native_bf16, amx = kind != "no_bf16", kind == "amx"
     monkeypatch.setattr(dispatch, "cpu_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(dispatch, "cpu_amx", lambda: amx)
     monkeypatch.setattr(exact_faiss, "faiss_scan_available", lambda: True)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     few = S.FAISS_SCAN_MAX_QUERIES_NO_TORCH if native_bf16 else S.FAISS_SCAN_MAX_QUERIES_NO_BF16
@@ -168,16 +170,19 @@ def test_auto_kernel_choices(native_bf16, monkeypatch):
     assert S.auto_kernel(1_000_000, few + 1, True) == "onnxruntime"
     assert S.auto_kernel(1000, 64, True) == "numpy"        # a small matrix: not worth a session
     assert S.auto_kernel(1_000_000, 1, False) == "numpy"   # float32 rows: no 16-bit codes to scan
+    # the int8 pass where its codes are at hand, on a CPU without AMX; with AMX torch's bf16 products are faster
+    assert (S.auto_kernel(1_000_000, S.INT8_MAX_QUERIES, True, int8=True) == "int8") is (not amx)
+    assert S.auto_kernel(1_000_000, S.INT8_MAX_QUERIES + 1, True, int8=True) != "int8"
     monkeypatch.setitem(sys.modules, "torch", object())
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
-    if native_bf16:   # torch's bf16 products
+    if amx:   # torch's bf16 products
         assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES, True) == "faiss"
         assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES + 1, True) == "torch"
-    else:             # float32 everywhere: onnxruntime's pass, torch loaded or not
+    else:     # onnxruntime's float32 pass, torch loaded or not (AVX512-BF16 alone: faster than torch's bf16)
         assert S.auto_kernel(1_000_000, few, True) == "faiss"
         assert S.auto_kernel(1_000_000, few + 1, True) == "onnxruntime"
-        with monkeypatch.context() as m:   # no onnxruntime: torch's float32 pass
+        with monkeypatch.context() as m:   # no onnxruntime: torch's pass
             m.setattr(exact_ort, "ort_available", lambda: False)
             assert S.auto_kernel(1_000_000, S.FAISS_SCAN_MAX_QUERIES + 1, True) == "torch"
     monkeypatch.setattr(exact_faiss, "faiss_scan_available", lambda: False)
-    assert S.auto_kernel(1_000_000, 1, True) == ("torch" if native_bf16 else "onnxruntime")
+    assert S.auto_kernel(1_000_000, 1, True) == ("torch" if amx else "onnxruntime")

@@ -5,17 +5,18 @@ Exact search has five kernels with the same result, the float32 top-K of the row
 
 * int8 (``exact_int8``): where the rows' int8 codes are at hand (``codes``: a memory-mapped sidecar that
   ``clip-mini index`` writes beside the rows of each generation of 65,536 rows or more, or that an earlier int8
-  search made), on a CPU without native bf16, for the query counts where it is measured faster (1 to 8:
+  search made), on a CPU without AMX, for the query counts where it is measured faster (1 to 8:
   ``dispatch.INT8_MIN_QUERIES``). An 8-bit integer product over one byte a value, its error bound computed from the
   codes' stored residuals and the query's own quantization.
 
 * faiss scan (``exact_faiss``): one or a few queries, with or without torch, when faiss >= 1.11 is installed;
   faiss streams the stored rows in place, one read of the matrix a query.
 * onnxruntime (``exact_ort``): many queries without torch (onnxruntime is loaded anyway for the query towers), and
-  with torch on a CPU without native bf16 (``clip_mini.runtime.isa``), where every kernel multiplies in float32.
+  with torch on a CPU without AMX (``clip_mini.runtime.isa``), where its float32 pass is measured faster than
+  torch's products (bf16 with AVX512-BF16 alone, float32 without bf16).
 * numpy (``exact_numpy``): always available; small or float32 matrices.
-* torch (``exact_torch``): many queries when torch is already imported (a server, a notebook) on a CPU with native
-  bf16, or asked for.
+* torch (``exact_torch``): many queries when torch is already imported (a server, a notebook) on a CPU with AMX,
+  or asked for.
 
 Each kernel scores approximately in float32 (or bf16, or int8 codes), keeps the rows within a proven error bound
 (``bounds``) of the approximate K-th best, and re-scores them exactly (``shortlist``), so ties and near-ties come

@@ -10,7 +10,7 @@ import numpy as np
 
 from clip_mini.retrieval.rows import BF16Rows
 from clip_mini.retrieval.search import codes, exact_faiss, exact_int8, exact_numpy, exact_ort, exact_torch, shortlist
-from clip_mini.runtime.isa import cpu_native_bf16
+from clip_mini.runtime.isa import cpu_amx, cpu_native_bf16
 
 KERNELS = ("auto", "numpy", "onnxruntime", "torch", "faiss", "int8")
 TORCH_MIN_ROWS = 50_000   # below this the numpy kernel takes a few ms anyway
@@ -25,7 +25,7 @@ FAISS_SCAN_MAX_QUERIES_NO_BF16 = 4
 FAISS_SCAN_MIN_ROWS = 50_000   # below this numpy takes a few ms, less than importing faiss
 ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
 # The int8 pass (``exact_int8``) where the rows' codes are at hand (``codes.ready``: a sidecar written with the
-# index, or made by an earlier search), on a CPU without native bf16 (where it was measured), from this many rows
+# index, or made by an earlier search), on a CPU without AMX (where it was measured), from this many rows
 # (the sidecar's own threshold), for INT8_MIN_QUERIES..INT8_MAX_QUERIES queries, and while the packed copy of the
 # codes each process makes for it stays within INT8_MAX_BYTES.
 # 1M rows, 2-core EPYC without AVX-512 (benchmarks/speed/bench_search_many.py, and the same kernels at width 128 on
@@ -34,7 +34,9 @@ ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
 # int8 33.6 / 36.2 / 59.0 / 101 / 207 / 393, faiss scan 21.4 / 41.6 / 79.0 / 153 / 353, onnxruntime 107 / 111 /
 # 112 / 113 / 158 / 221; onnxruntime's float32 pass is the faster from 16 queries. One query, measured again 15
 # times round-robin: int8 16.2 / faiss 16.3 (width 128), 38.2 / 38.4 (256): a tie, and the int8 pass is the pick
-# (bench_search_many's one query, width 256: int8 19.2, faiss 23.1).
+# (bench_search_many's one query, width 256: int8 19.2, faiss 23.1). On the 2-core EPYC with AVX512-BF16 (no AMX),
+# width 256, torch loaded / not: 8 queries int8 67 / 77, onnxruntime 83 / 94, torch 152, faiss scan 117 / 131;
+# one query int8 18.8 / 24.9, faiss scan 23.0 / 20.9.
 INT8_MIN_ROWS = codes.MIN_ROWS
 INT8_MIN_QUERIES = 1
 INT8_MAX_QUERIES = 8
@@ -92,8 +94,7 @@ def _int8_ready(embeddings) -> bool:
     for the packed copy, the product checked exact here (by ``prepare``, or an int8 search before: ``auto`` does
     not stop to check it), and no session being built for them in the background."""
     n, dim = embeddings.shape
-    if not (n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_native_bf16()
-            and exact_int8.checked(dim)):
+    if not (n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_amx() and exact_int8.checked(dim)):
         return False
     made = codes.for_rows(embeddings, make=False) if codes.ready(embeddings) else None
     return made is not None and not exact_int8.busy(made)
@@ -106,7 +107,7 @@ def prepare(embeddings) -> bool:
     (``auto`` uses the other kernels until they are ready). Returns whether the int8 codes are at hand."""
     sixteen_bit = isinstance(embeddings, BF16Rows) or getattr(embeddings, "dtype", None) == np.float16
     n, dim = embeddings.shape
-    if not (sixteen_bit and n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_native_bf16()
+    if not (sixteen_bit and n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_amx()
             and dim <= exact_int8.MAX_DIM and exact_ort.ort_available()):
         return False
     try:
@@ -121,19 +122,20 @@ def prepare(embeddings) -> bool:
 def auto_kernel(n: int, n_queries: int, sixteen_bit: bool, int8: bool = False) -> str:
     """The exact-search kernel ``auto`` picks for ``n`` rows and ``n_queries`` queries (see the package docstring):
     the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not); for more, on a CPU with
-    native bf16, torch's bf16 matrix products when torch is already imported (importing it costs seconds), else
-    onnxruntime's float32 ones (a core dependency, already loaded for the query towers); on a CPU without native
-    bf16, where every kernel multiplies in float32, onnxruntime's with torch loaded or not (its one-thread-per-core
-    pass is the faster one there); numpy for small or float32 matrices. The int8 pass before all of them where the
-    rows' int8 codes are at hand (``int8``), on a CPU without native bf16, for the query counts where it is
-    measured the faster (``INT8_MIN_QUERIES``..``INT8_MAX_QUERIES``)."""
+    AMX, torch's bf16 matrix products when torch is already imported (importing it costs seconds), else
+    onnxruntime's float32 ones (a core dependency, already loaded for the query towers); on a CPU without AMX
+    (AVX512-BF16 alone, or no bf16), onnxruntime's with torch loaded or not (its one-thread-per-core float32 pass
+    is the faster one there: on the AVX512-BF16 EPYC, 64 queries over 1M x 256 rows, 211 ms against torch's bf16
+    292 ms); numpy for small or float32 matrices. The int8 pass before all of them where the rows' int8 codes are
+    at hand (``int8``), on a CPU without AMX, for the query counts where it is measured the faster
+    (``INT8_MIN_QUERIES``..``INT8_MAX_QUERIES``)."""
     if not sixteen_bit:
         return "numpy"
     ort = n >= ORT_MIN_ROWS and exact_ort.ort_available()
-    if (int8 and ort and n >= INT8_MIN_ROWS and not cpu_native_bf16()
+    if (int8 and ort and n >= INT8_MIN_ROWS and not cpu_amx()
             and INT8_MIN_QUERIES <= n_queries <= INT8_MAX_QUERIES):
         return "int8"
-    torch = "torch" in sys.modules and n >= TORCH_MIN_ROWS and (cpu_native_bf16() or not ort)
+    torch = "torch" in sys.modules and n >= TORCH_MIN_ROWS and (cpu_amx() or not ort)
     few = (FAISS_SCAN_MAX_QUERIES if torch else FAISS_SCAN_MAX_QUERIES_NO_TORCH if cpu_native_bf16()
            else FAISS_SCAN_MAX_QUERIES_NO_BF16)
     if (n_queries <= few and (n >= FAISS_SCAN_MIN_ROWS or "faiss" in sys.modules)
