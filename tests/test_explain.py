@@ -297,22 +297,159 @@ def test_explain_attention_and_search_from_many_threads_equal_their_single_threa
 
 
 def test_the_method_docstring_quotes_the_pointing_benchmark():
-    """``auto``'s claim against the CLS attention is the benchmark's, both ways (it loses with one object)."""
+    """``auto``'s claims are the benchmark's: relevance ahead of Grad-CAM and of the text-blind CLS attention on both
+    shapes sets and on the photos, with every number quoted."""
     import json
 
     from clip_mini.model import explain
 
-    result = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/quality/explain_pointing.json")
-                        .read_text())["pointing_accuracy"]
-    doc = " ".join(explain.__doc__.split())
-    one, two = result["single_object"], result["two_object"]
-    assert one["cls_attention_mean"] > one["gradcam"] and two["gradcam"] > two["cls_attention_mean"]
-    for number in (one["cls_attention_mean"], one["gradcam"], two["gradcam"], two["cls_attention_mean"]):
-        assert str(number) in doc, number
     full = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/quality/explain_pointing.json")
                       .read_text())
-    photos = full["flickr8k_photos"]
-    assert photos["pointing_accuracy"]["cls_attention_mean"] > photos["pointing_accuracy"]["gradcam"]
-    for number in (full["chance"]["two_object"], photos["pointing_accuracy"]["cls_attention_mean"],
-                   photos["pointing_accuracy"]["gradcam"], photos["chance"]):
+    result = full["pointing_accuracy"]
+    if "relevance" not in result["two_object"]:
+        pytest.skip("explain_pointing.json predates the relevance maps: rerun the study (explain_pointing.py)")
+    doc = " ".join(explain.__doc__.split())
+    photos = full["flickr8k_photos"]["pointing_accuracy"]
+    for acc in (result["two_object"], result["single_object"], photos):
+        assert acc["relevance"] > acc["gradcam"] and acc["relevance"] > acc["cls_attention_mean"]
+        for method in ("relevance", "gradcam", "cls_attention_mean"):
+            assert str(acc[method]) in doc, (method, acc[method])
+    for number in (full["chance"]["two_object"], full["chance"]["single_object"], full["flickr8k_photos"]["chance"]):
         assert str(number) in doc, number
+
+# ---------------------------------------------------------------------------------------------------- relevance
+
+def test_relevance_map_is_a_non_negative_grid_refined_where_coarse(model_dir, tmp_path):
+    """The tiny tower's 4 x 4 patches (8 px) are refined to 16 x 16 cells of 2 px; an 8 x 8 grid is left alone."""
+    import torch
+
+    import clip_mini
+    from clip_mini.model.explain import match_map
+    from conftest import make_model_dir
+
+    e = clip_mini.load(model_dir, device="cpu")
+    pixels = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(0))
+    texts = e.encode_text(["a red circle", "a blue square"], output="torch")
+    first, second = (match_map(e.model, pixels, t, "relevance") for t in texts)
+    assert first.shape == (16, 16) and first.dtype == np.float32 and first.min() >= 0 and first.max() > 0
+    assert not np.allclose(first, second)   # the map depends on the text
+    assert np.array_equal(match_map(e.model, pixels, texts[0], "auto"), first)   # auto's method for a ViT
+    fine = clip_mini.load(make_model_dir(tmp_path / "fine", vision=dict(image_size=64, patch_size=8)), device="cpu")
+    heat = match_map(fine.model, torch.rand(3, 64, 64), fine.encode_text("a red circle", output="torch"), "relevance")
+    assert heat.shape == (8, 8) and heat.min() >= 0
+
+
+def test_relevance_is_refused_for_a_cnn_tower_whose_auto_stays_gradcam(cnn_model_dir):
+    import clip_mini
+    from clip_mini.model.explain import unexplainable
+
+    e = clip_mini.load(cnn_model_dir, device="cpu")
+    assert "ViT" in unexplainable(e.model, "relevance")
+    assert unexplainable(e.model, "auto") is None
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_shifted_passes_place_a_dot_finer_than_a_patch(k):
+    """The refinement's geometry, with a known answer: a "tower" that scores each 8 px patch by its mean brightness
+    sees a 3 px dot only to the patch; over the shifted images moved back, the map's maximum lies on the dot's cells
+    (several may tie), and nowhere more than a cell away from it."""
+    import torch
+
+    from clip_mini.model.explain import _finer, _shifted
+
+    size, patch, cell = 32, 8, 8 // k
+    for y, x in [(1, 1), (5, 13), (14, 6), (9, 22), (21, 28), (28, 17), (15, 15)]:
+        image = torch.zeros(1, 3, size, size)
+        image[..., y:y + 3, x:x + 3] = 1.0
+        moved = _shifted(image, patch, k)                                       # (k*k, 3, 32, 32)
+        maps = moved[:, 0].reshape(k * k, 4, patch, 4, patch).mean((2, 4))      # (k*k, 4, 4) patch scores
+        fine = _finer(maps, k)
+        assert fine.shape == (4 * k, 4 * k)
+        on_dot = fine[y // cell:(y + 2) // cell + 1, x // cell:(x + 2) // cell + 1]
+        assert torch.isclose(on_dot.max(), fine.max()), (y, x)
+        ty, tx = torch.nonzero(torch.isclose(fine, fine.max()), as_tuple=True)
+        assert ((ty + 1) * cell >= y - cell).all() and (ty * cell <= y + 2 + cell).all(), (y, x)
+        assert ((tx + 1) * cell >= x - cell).all() and (tx * cell <= x + 2 + cell).all(), (y, x)
+
+
+def test_relevance_points_at_what_makes_the_text_match(model_dir):
+    """A known answer on the untrained tower: the "text" is the direction the image embedding moves in when a bright
+    square is drawn on a dim background, so only the square's patches can raise the match; the map's peak lies on
+    (or next to) the square, wherever it is drawn."""
+    import torch
+
+    import clip_mini
+    from clip_mini.model.explain import match_map
+
+    e = clip_mini.load(model_dir, device="cpu")
+    background = 0.1 * torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    hits = []
+    for y, x in [(5, 4), (6, 20), (19, 6), (20, 21), (12, 13)]:
+        image = background.clone()
+        image[..., y:y + 6, x:x + 6] = 2.0
+        with torch.no_grad():
+            text = e.model.encode_image(image, normalize=True) - e.model.encode_image(background, normalize=True)
+        heat = match_map(e.model, image, text, "relevance")                     # (16, 16): 2 px cells
+        cy, cx = np.unravel_index(int(np.argmax(heat)), heat.shape)
+        hits.append(y - 2 <= 2 * cy + 1 <= y + 8 and x - 2 <= 2 * cx + 1 <= x + 8)
+    assert all(hits), hits
+
+
+@pytest.mark.parametrize("method", ["relevance", "gradcam"])
+def test_relevance_and_gradcam_leave_flags_grads_and_hooks_as_they_were(method, model_dir, tmp_path):
+    import torch
+
+    import clip_mini
+    from conftest import write_images
+
+    e = clip_mini.load(model_dir, device="cpu")
+    [img] = write_images(tmp_path, 1, size=32)
+    params = list(e.model.parameters())
+    for p in params[::2]:
+        p.requires_grad_(False)
+    flags = [p.requires_grad for p in params]
+    trained = next(p for p in params if p.requires_grad)
+    trained.grad = torch.full_like(trained, 3.0)
+    first = e.explain(img, "a red circle", method=method)
+    assert first.shape == (32, 32) and first.min() >= 0
+    assert [p.requires_grad for p in params] == flags
+    assert torch.equal(trained.grad, torch.full_like(trained, 3.0))
+    assert all(p.grad is None for p in params if p is not trained)
+    hooks = [(m._forward_hooks, m._forward_pre_hooks) for m in e.model.modules()]
+    assert not any(f or p for f, p in hooks)   # every capturing hook removed
+    assert np.array_equal(e.explain(img, "a red circle", method=method), first)
+
+
+def test_relevance_from_a_second_thread_and_beside_a_fused_pass(model_dir, tmp_path, monkeypatch):
+    """The map drawn in another thread equals the one drawn here, also after this thread's last pass picked the
+    fused kernel; and where every pass picks the fused kernel (as on a GPU), the map's own pass reads the plain
+    kernel's probabilities all the same."""
+    import threading
+
+    import torch
+
+    import clip_mini
+    from clip_mini.model import vision
+
+    e = clip_mini.load(model_dir, device="cpu")
+    from conftest import write_images
+
+    [img] = write_images(tmp_path, 1, size=32)
+    here = e.explain(img, "a red circle", method="relevance")
+    got: dict = {}
+
+    def draw():
+        try:
+            got["map"] = e.explain(img, "a red circle", method="relevance")
+        except Exception as err:   # noqa: BLE001 - reported by the assertion below
+            got["error"] = err
+
+    with torch.inference_mode():
+        e.model.encode_image(torch.rand(1, 3, 32, 32))   # this thread's blocks now on the fused kernel
+    t = threading.Thread(target=draw)
+    t.start()
+    t.join()
+    assert "error" not in got, got.get("error")
+    assert np.array_equal(got["map"], here)
+    monkeypatch.setattr(vision, "fused_attention", lambda x: True)   # every pass picks fused, as on a GPU
+    assert np.allclose(e.explain(img, "a red circle", method="relevance"), here, atol=1e-5)

@@ -68,10 +68,11 @@ def test_score_counts_hits_per_method_and_the_chance_with_fixed_maps():
     items = [ep.Case("a.png", "a red circle", (left,)), ep.Case("a.png", "a blue star", (right,)),
              ep.Case("b.png", "a green square", (single,))]
     gradcam = {"a red circle": (5, 1), "a blue star": (5, 6), "a green square": (5, 9)}   # hit, hit, miss
+    relevance = {"a red circle": (5, 1), "a blue star": (5, 6), "a green square": (5, 2)}  # hit, hit, hit
     tokens = {"a red circle": (5, 6), "a blue star": (5, 1), "a green square": (5, 9)}    # miss, miss, miss
 
     def explain(path, query, method):
-        return _peak((gradcam if method == "gradcam" else tokens)[query])
+        return _peak({"gradcam": gradcam, "relevance": relevance, "tokens": tokens}[method][query])
 
     calls = []
 
@@ -82,12 +83,12 @@ def test_score_counts_hits_per_method_and_the_chance_with_fixed_maps():
     res = ep.score(items, explain, attention)
     assert calls == ["a.png", "b.png"]                                # once per image
     assert res["queries"] == 3 and res["unavailable"] == {}
-    assert res["accuracy"] == {"gradcam": 2 / 3, "tokens": 0.0, "cls_attention_mean": 2 / 3,
+    assert res["accuracy"] == {"gradcam": 2 / 3, "relevance": 1.0, "tokens": 0.0, "cls_attention_mean": 2 / 3,
                                "cls_attention_rollout": 0.0}
     assert [r["chance"] for r in res["records"]] == [0.2, 0.3, 0.5]
     assert res["chance"] == pytest.approx(1 / 3, abs=1e-12)
-    assert res["records"][1]["hits"] == {"gradcam": True, "tokens": False, "cls_attention_mean": False,
-                                         "cls_attention_rollout": False}
+    assert res["records"][1]["hits"] == {"gradcam": True, "relevance": True, "tokens": False,
+                                         "cls_attention_mean": False, "cls_attention_rollout": False}
 
 
 def test_a_tower_without_cls_attention_is_reported_not_raised():
@@ -97,23 +98,25 @@ def test_a_tower_without_cls_attention_is_reported_not_raised():
         raise ValueError("CLS attention needs a ViT image tower, this model uses efficientnet")
 
     res = ep.score(items, lambda p, q, m: _peak((1, 1)), attention)
-    assert res["accuracy"] == {"gradcam": 1.0, "tokens": 1.0}
+    assert res["accuracy"] == {"gradcam": 1.0, "relevance": 1.0, "tokens": 1.0}
     assert res["unavailable"] == {m: "ValueError: CLS attention needs a ViT image tower, this model uses efficientnet"
                                   for m in ep.ATTENTION_METHODS}
 
 
 def test_summary_gives_mean_min_max_over_models_and_judges_targets_on_the_lowest():
-    def model(two, one):
-        return {"pointing_accuracy": {"two_object": {"queries": 4, "gradcam": two, "tokens": 0.5},
-                                      "single_object": {"queries": 2, "gradcam": one, "tokens": 0.5}}}
+    def model(two, one):   # the targets are judged on auto's method (relevance), not on Grad-CAM
+        return {"pointing_accuracy": {"two_object": {"queries": 4, "relevance": two, "gradcam": 1.0, "tokens": 0.5},
+                                      "single_object": {"queries": 2, "relevance": one, "gradcam": 0.0,
+                                                        "tokens": 0.5}}}
 
     s = ep.summarise([model(0.9, 1.0), model(0.8, 0.95), model(1.0, 1.0)],
                      {"two_object": 0.125, "single_object": 0.25})
-    assert s["two_object"]["gradcam"] == {"mean": 0.9, "min": 0.8, "max": 1.0}
-    assert s["single_object"]["gradcam"] == {"mean": 0.9833, "min": 0.95, "max": 1.0}
+    assert s["two_object"]["relevance"] == {"mean": 0.9, "min": 0.8, "max": 1.0}
+    assert s["single_object"]["relevance"] == {"mean": 0.9833, "min": 0.95, "max": 1.0}
     assert s["two_object"]["chance"] == 0.125 and s["two_object"]["queries"] == 4
     assert "cls_attention_mean" not in s["two_object"]
     t = ep.targets(s)
+    assert t["method"] == "relevance"
     assert t["two_object"] == {"target": 0.85, "min": 0.8, "mean": 0.9, "met": False}   # the mean would pass
     assert t["single_object"]["met"] is True
 
@@ -321,8 +324,8 @@ def test_the_script_writes_its_json_and_results_md_renders_it(model_dir, small_s
         "model": "photos", "boxes": "benchmarks/data/flickr8k_pointing_boxes.json", "photos": 3,
         "skipped_no_boxes": 1, "queries": 3, "chance": 0.25, "rebuild": "python train.py --config x.yaml",
         "cls_attention_unavailable": "ValueError: no ViT",
-        "pointing_accuracy": {"gradcam": 0.6667, "tokens": 0.3333},
-        "per_noun": {"dog": {"queries": 2, "chance": 0.2, "gradcam": 0.5, "tokens": 0.5},
+        "pointing_accuracy": {"gradcam": 0.6667, "relevance": 1.0, "tokens": 0.3333},
+        "per_noun": {"dog": {"queries": 2, "chance": 0.2, "gradcam": 0.5, "relevance": 1.0, "tokens": 0.5},
                      "young boy": {"queries": 1, "chance": 0.35, "gradcam": 1.0, "tokens": 0.0}}}
     out.write_text(json.dumps(data))
     monkeypatch.setattr(results_md, "RESULTS_DIR", tmp_path)
@@ -333,15 +336,18 @@ def test_the_script_writes_its_json_and_results_md_renders_it(model_dir, small_s
     cpu = results_md.cpu_kind_of(m)
     s = data["summary"]["two_object"]
     assert "met: %s" % ("yes" if data["targets"]["two_object"]["met"] else "no") in text
+    assert "Targets (issue 52), for relevance and met" in text
     assert (f"| **mean (range) over 2** |  | **{s['gradcam']['mean']:.3f}** ({s['gradcam']['min']:.3f}-"
-            f"{s['gradcam']['max']:.3f}) |") in text
+            f"{s['gradcam']['max']:.3f}) | **{s['relevance']['mean']:.3f}** ({s['relevance']['min']:.3f}-"
+            f"{s['relevance']['max']:.3f}) |") in text
     assert text.count(f"| `{data['models'][0]['model']}` | - | ") == 4   # two models, two sets; no seed known
     assert f"| {data['chance']['single_object']:.3f} | - | {cpu} | not known |" in text
-    assert "| **all** | 3 | **0.667** | **0.333** | - | - | 0.250 | %s |" % cpu in text
-    assert "| young boy | 1 | 1.000 | 0.000 | - | - | 0.350 | %s |" % cpu in text
+    assert "| **all** | 3 | **0.667** | **1.000** | **0.333** | - | - | 0.250 | %s |" % cpu in text
+    assert "| dog | 2 | 0.500 | 1.000 | 0.500 | - | - | 0.200 | %s |" % cpu in text
+    assert "| young boy | 1 | 1.000 | - | 0.000 | - | - | 0.350 | %s |" % cpu in text
     assert "could not run on this tower: ValueError: no ViT" in text and "`python train.py --config x.yaml`" in text
     keys = {src.key for srcs in doc.sources for src in srcs}
-    assert {"summary.two_object.gradcam.mean", "targets.single_object.met",
+    assert {"summary.two_object.gradcam.mean", "summary.single_object.relevance.min", "targets.single_object.met",
             "flickr8k_photos.per_noun.[young boy].gradcam", "models.1.pointing_accuracy.single_object.tokens"} <= keys
 
     data["flickr8k_photos"] = {"skipped": "no --photos-model given"}

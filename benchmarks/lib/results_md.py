@@ -700,8 +700,8 @@ CLASSIFY = "studies/classify_flickr8k.json"
 
 POINTING = "quality/explain_pointing.json"
 POINTING_SETS = (("two_object", "Two objects an image, each queried"), ("single_object", "One object an image"))
-POINTING_METHODS = (("gradcam", "Grad-CAM"), ("tokens", "tokens"), ("cls_attention_mean", "CLS attention, mean"),
-                    ("cls_attention_rollout", "CLS attention, rollout"))
+POINTING_METHODS = (("gradcam", "Grad-CAM"), ("relevance", "relevance"), ("tokens", "tokens"),
+                    ("cls_attention_mean", "CLS attention, mean"), ("cls_attention_rollout", "CLS attention, rollout"))
 
 
 def explain_pointing(doc: Doc) -> None:
@@ -711,6 +711,9 @@ def explain_pointing(doc: Doc) -> None:
     f = POINTING
     data = load(f)
     cpu = cpu_kind(f)
+    # the methods the JSON scored (a study before the relevance maps has no such column)
+    methods = [(k, label) for k, label in POINTING_METHODS if any(k in data["summary"][n] for n, _ in POINTING_SETS)]
+    target = dict(POINTING_METHODS).get(data["targets"]["method"], data["targets"]["method"])
     doc.add("### Where a query points: match maps by the pointing game\n")
     text, src = fill(f, "`{command}`. A query scores a hit when the peak of its map (`Embedder.explain`, over the "
                         "image's pixels) lies in the queried object's box; the CLS attention (mean over heads and "
@@ -719,8 +722,8 @@ def explain_pointing(doc: Doc) -> None:
                         "demo model, each row one training seed (its rebuild command in the row), on the "
                         "compositional split (never trained on): {summary.two_object.queries} queries on two-object "
                         "images (each object by its own phrase, \"a red circle\") and {summary.single_object.queries} "
-                        "on one-object images. Targets (issue 52), for Grad-CAM and met only when the lowest seed "
-                        "reaches them: two objects >= {targets.two_object.target} (lowest "
+                        "on one-object images. Targets (issue 52), for " + target + " and met only when the lowest "
+                        "seed reaches them: two objects >= {targets.two_object.target} (lowest "
                         "{targets.two_object.min:.3f}: **met: {targets.two_object.met}**), one object >= "
                         "{targets.single_object.target} (lowest {targets.single_object.min:.3f}: **met: "
                         "{targets.single_object.met}**).\n")
@@ -728,20 +731,20 @@ def explain_pointing(doc: Doc) -> None:
     for name, title in POINTING_SETS:
         s = data["summary"][name]
         doc.add(f"{title}:\n")
-        t = Table(doc, ["model", "seed", *(label for _, label in POINTING_METHODS), "chance", "val t2i R@1", "CPU",
+        t = Table(doc, ["model", "seed", *(label for _, label in methods), "chance", "val t2i R@1", "CPU",
                         "rebuild"])
         for i, m in enumerate(data["models"]):
             acc = m["pointing_accuracy"][name]
             t.row([fill(f, "`{models.%d.model}`" % i),
                    fill(f, "{models.%d.seed}" % i) if m.get("seed") is not None else "-",
                    *(fill(f, "{models.%d.pointing_accuracy.%s.%s:.3f}" % (i, name, k)) if k in acc else "-"
-                     for k, _ in POINTING_METHODS),
+                     for k, _ in methods),
                    fill(f, "{summary.%s.chance:.3f}" % name),
                    fill(f, "{models.%d.val.t2i_r1:.3f}" % i) if "t2i_r1" in m.get("val", {}) else "-",
                    cpu, f"`{esc(m['rebuild'])}`" if m.get("rebuild") else "not known"])
         t.row([f"**mean (range) over {len(data['models'])}**", "",
                *(fill(f, "**{summary.%s.%s.mean:.3f}** ({summary.%s.%s.min:.3f}-{summary.%s.%s.max:.3f})"
-                      % (name, k, name, k, name, k)) if k in s else "-" for k, _ in POINTING_METHODS),
+                      % (name, k, name, k, name, k)) if k in s else "-" for k, _ in methods),
                fill(f, "{summary.%s.chance:.3f}" % name), "", cpu, ""])
         doc.add("")
     photos = data.get("flickr8k_photos") or {"skipped": "not in the JSON"}
@@ -759,14 +762,14 @@ def explain_pointing(doc: Doc) -> None:
         text += f"The CLS attention could not run on this tower: {esc(photos['cls_attention_unavailable'])}. "
     doc.add(text.rstrip() + "\n", src)
     acc = photos["pointing_accuracy"]
-    t = Table(doc, ["photos", "queries", *(label for _, label in POINTING_METHODS), "chance", "CPU"])
+    t = Table(doc, ["photos", "queries", *(label for _, label in methods), "chance", "CPU"])
     t.row(["**all**", fill(f, "{flickr8k_photos.queries}"),
            *(fill(f, "**{flickr8k_photos.pointing_accuracy.%s:.3f}**" % k) if k in acc else "-"
-             for k, _ in POINTING_METHODS), fill(f, "{flickr8k_photos.chance:.3f}"), cpu])
+             for k, _ in methods), fill(f, "{flickr8k_photos.chance:.3f}"), cpu])
     for noun, r in photos.get("per_noun", {}).items():
         key = "flickr8k_photos.per_noun.[%s]" % noun
         t.row([esc(noun), fill(f, "{%s.queries}" % key),
-               *(fill(f, "{%s.%s:.3f}" % (key, k)) if k in r else "-" for k, _ in POINTING_METHODS),
+               *(fill(f, "{%s.%s:.3f}" % (key, k)) if k in r else "-" for k, _ in methods),
                fill(f, "{%s.chance:.3f}" % key), cpu])
     doc.add("")
 
