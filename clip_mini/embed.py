@@ -231,8 +231,9 @@ class Embedder:
     # -- match maps ---------------------------------------------------------------------------------------------
     def explain(self, image: Any, text: str, method: str = "auto") -> np.ndarray:
         """Where in ``image`` the text matches: a float32 (H, W) map over the image's own pixels, in [0, 1],
-        higher where the image matches (``clip_mini.model.explain``: Grad-CAM for ViT and CNN towers by default,
-        or ``method="tokens"``: patch tokens scored through the image head).
+        higher where the image matches (``clip_mini.model.explain``: by default relevance maps for ViT towers
+        (gradient-weighted attention through every block) and Grad-CAM for CNN towers; ``method="gradcam"``, or
+        ``method="tokens"``: patch tokens scored through the image head).
 
         The tower's patch grid is upsampled bilinearly to the image size; with ``center_crop`` preprocessing the
         map covers the centre square the model saw, and is 0 outside it.
