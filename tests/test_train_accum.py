@@ -21,6 +21,9 @@ from conftest import NARROW, tiny_sets
 TINY = tiny_sets(NARROW) + ["model.text.dropout=0", "model.head_dropout=0", "train.weight_decay=0.1"]
 TINY += ["train.device=cpu"]   # bit-exact checks are a CPU property: pinned there on a GPU host too
 VOCAB = 60
+# The micro-batch of every compiled step here and in test_train_compile.py (on one thread, as a DDP rank runs):
+# the same shapes give the same generated kernels, which inductor's cache then compiles once per machine.
+COMPILED_BATCH = 8
 
 
 def _model(seed: int = 0, overrides=()):
@@ -163,11 +166,15 @@ def _ddp_worker(rank: int, world: int, store: str, out: str, compiled: bool = Fa
         if compiled:   # train.compile: the DDP module through torch.compile (no_sync passed through)
             from clip_mini.model.layers.compile_pass import CompiledStep
 
-            shard = _split(_batch(16), world)[rank]
+            # Every micro-batch has COMPILED_BATCH pairs (accumulation: a rank's 2 x 8 of a batch of 32): one shape,
+            # so the re-forward runs the graph the plain step compiled, and only the gradient-free pass compiles
+            # anew (compiling dominates this test). test_train_compile.py compiles the same shapes on one thread.
+            model, _ = _model()
+            step = CompiledStep(torch.nn.parallel.DistributedDataParallel(FeatureModel(model),
+                                                                          broadcast_buffers=False))
             for accum in (1, 2):
-                model, _ = _model()
-                step = CompiledStep(torch.nn.parallel.DistributedDataParallel(FeatureModel(model),
-                                                                              broadcast_buffers=False))
+                model.zero_grad(set_to_none=True)   # no optimiser step: the weights stay the initial ones
+                shard = _split(_batch(COMPILED_BATCH * world * accum), world)[rank]
                 loss = forward_backward(step, _split(shard, accum), ClipLoss(), torch.device("cpu"))
                 assert step.state == "compiled"
                 torch.save({"loss": loss, "grads": _grads(model)}, f"{out}.compiled{accum}.{rank}")
@@ -182,13 +189,14 @@ def test_ddp_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
     for case, batch in (("", _batch(16)), ("captions", _captions_batch(16))):
         _check_ddp(tmp_path, case, batch)
     if compiled:   # inductor reorders float sums: close, not to the eager tolerance
-        _check_ddp(tmp_path, "compiled", _batch(16), atol=3e-5)
+        for accum in (1, 2):
+            _check_ddp(tmp_path, "compiled", _batch(COMPILED_BATCH * 2 * accum), atol=3e-5, accums=(accum,))
 
 
-def _check_ddp(tmp_path, case: str, batch: dict, atol: float = 1e-5) -> None:
+def _check_ddp(tmp_path, case: str, batch: dict, atol: float = 1e-5, accums=(1, 2)) -> None:
     model, _ = _model()
     loss_ref, grads_ref = _run(model, [batch])
-    for accum in (1, 2):
+    for accum in accums:
         for rank in range(2):
             got = torch.load(tmp_path / f"out.{case}{accum}.{rank}", weights_only=True)
             assert torch.allclose(got["loss"], loss_ref, atol=atol), (accum, rank)

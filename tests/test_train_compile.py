@@ -11,9 +11,25 @@ from clip_mini.model.layers.compile_pass import CompiledStep
 from clip_mini.model.loss import ClipLoss
 from clip_mini.train.accum import FeatureModel, forward_backward
 
+from conftest import NARROW, tiny_sets
 from test_compile_pass import needs_compiler
-from test_train_accum import _batch, _grads, _model, _split
+from test_train_accum import COMPILED_BATCH, _batch, _grads, _model, _split
 from test_train_loop import TINY, shapes  # noqa: F401 (fixture)
+
+B = COMPILED_BATCH   # every compiled call sees B pairs: one graph serves the plain step and the re-forwards
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_one_thread():
+    """Each test compiles from a fresh dynamo state (no shapes marked dynamic by the test before it), on one thread
+    as test_train_accum.py's DDP ranks do: the same shapes and thread count generate the same kernels, which
+    inductor's on-disk cache compiles once (compiling C++ dominates these tests)."""
+    threads = torch.get_num_threads()
+    torch._dynamo.reset()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
 
 
 def _step(module, model, batches, precision="fp32"):
@@ -33,13 +49,14 @@ def _assert_close(a, b, atol=2e-5):
 @needs_compiler
 def test_compiled_step_matches_eager_and_accumulates_like_one_batch():
     model, _ = _model()
-    batch = _batch(16)
+    batch, big = _batch(B), _batch(2 * B)
     eager = _step(FeatureModel(model), model, [batch])
     compiled = CompiledStep(FeatureModel(model))
     _assert_close(_step(compiled, model, [batch]), eager)
     assert compiled.state == "compiled"
-    # two micro-batches: a gradient-free first pass and re-forwards, each its own graph, still one big batch
-    _assert_close(_step(compiled, model, _split(batch, 2)), eager)
+    # two micro-batches of B: a gradient-free first pass (its own graph) and re-forwards (the step's graph), still
+    # one big batch of 2B
+    _assert_close(_step(compiled, model, _split(big, 2)), _step(FeatureModel(model), model, [big]))
     # the weights stay the model's own: a step changes what the compiled module computes
     with torch.no_grad():
         model.logit_scale.add_(0.5)
@@ -59,7 +76,7 @@ def test_caption_lengths_do_not_recompile_every_step():
     compiled = CompiledStep(FeatureModel(model))
     graphs = []
     for length in (7, 5, 6, 4, 3):
-        b = _batch(16)
+        b = _batch(B)
         b["input_ids"], b["attention_mask"] = b["input_ids"][:, :length], b["attention_mask"][:, :length]
         eager = _step(FeatureModel(model), model, [b])
         _assert_close(_step(compiled, model, [b]), eager)
@@ -71,7 +88,7 @@ def test_caption_lengths_do_not_recompile_every_step():
 def test_compiled_re_forward_replays_dropout_masks():
     model, _ = _model(overrides=["model.text.dropout=0.3", "model.head_dropout=0.3"])
     model.train()
-    batch = _batch(12)
+    batch = _batch(3 * B)   # three micro-batches of B
     compiled = CompiledStep(FeatureModel(model))
     torch.manual_seed(5)
     loss_acc, _ = _step(compiled, model, _split(batch, 3))
@@ -117,7 +134,10 @@ def test_train_with_compile(shapes, tmp_path):
     run = tmp_path / "run"
     cfg = load_config(None, TINY + [f"data.captions={shapes / 'captions.csv'}", f"data.cache_dir={tmp_path / 'c'}",
                                     f"train.out_dir={run}", "data.workers=0", "train.epochs=1",
-                                    "train.precision=auto", "train.compile=true"])
+                                    "train.precision=auto", "train.compile=true", *tiny_sets(NARROW),
+                                    # every caption is longer than 6 tokens: one caption length, one graph (a
+                                    # second length's recompile is the test above's)
+                                    "model.text.max_length=6"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)   # no fallback: it really compiled (at this CPU's precision)
         result = train(cfg)
