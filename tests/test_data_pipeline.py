@@ -82,6 +82,21 @@ def test_bf16_eval_transform_is_the_float32_one_rounded_and_channels_last(mode, 
         build_eval_transform(pre, torch.float16)
 
 
+def test_transforms_pickle_with_their_normalisation_by_name():
+    """Spawned workers get transforms pickled: ``LutNormalize`` (defined when albumentations is first imported)
+    is found by its name in ``clip_mini.data.transforms``, and the copy gives the same pixels."""
+    import clip_mini.data.transforms as T
+
+    img = np.random.default_rng(2).integers(0, 256, (41, 57, 3), dtype=np.uint8)
+    for t in (build_eval_transform(PreprocessConfig(image_size=24)),
+              build_eval_transform(PreprocessConfig(image_size=24), torch.bfloat16)):
+        copy = pickle.loads(pickle.dumps(t))
+        assert torch.equal(copy(img), t(img))
+    normalise = build_eval_transform(PreprocessConfig(image_size=24)).compose.transforms[-2]
+    assert type(normalise) is T.LutNormalize and T.LutNormalize.__qualname__ == "LutNormalize"
+    assert type(pickle.loads(pickle.dumps(normalise))) is T.LutNormalize
+
+
 def test_center_crop_keeps_the_middle_and_squash_keeps_everything():
     img = np.zeros((40, 80, 3), np.uint8)
     img[:, 20:60] = 255   # white middle square, black sides

@@ -53,9 +53,11 @@ def test_scanner_catches_unsafe_code(tmp_path):
 
 
 def test_package_sets_offline_flags_before_any_import():
-    code = ("import os\nimport clip_mini\n"
+    # albumentations is imported when a transform is built (clip_mini.data.transforms), with the flag already set
+    code = ("import os, sys\nimport clip_mini\n"
             "assert os.environ['HF_HUB_OFFLINE'] == '1'\nassert os.environ['NO_ALBUMENTATIONS_UPDATE'] == '1'\n"
-            "import clip_mini.data.transforms\nprint('ok')")
+            "from clip_mini.config import PreprocessConfig\nfrom clip_mini.data import build_eval_transform\n"
+            "build_eval_transform(PreprocessConfig())\nassert 'albumentations' in sys.modules\nprint('ok')")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "NO_ALBUMENTATIONS_UPDATE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

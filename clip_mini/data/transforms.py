@@ -6,27 +6,32 @@ directory alone reproduces it. Each transform starts with a resize (``resize_op`
 on cached images, so the cache on or off gives the same pixels. The training transform's first step keeps more
 pixels than the eval one (``train_base_size``): its random crops are then shrunk to the output size, never
 enlarged, and training images are as sharp as evaluation images.
+
+albumentations and OpenCV (about 0.6 s to import) are imported by the code that builds or runs a transform, not
+by this module: the readers, datasets and image cache import it for ``train_base_size`` and ``resize_op``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")   # no network check on import
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")   # no network check when albumentations is imported
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import albumentations as A
-import cv2
 import numpy as np
 import torch
-from albumentations.pytorch import ToTensorV2
 
 from clip_mini.config import DataConfig, PreprocessConfig
 
-# Bilinear, switched to INTER_AREA whenever an image shrinks: area averaging avoids aliasing on 500 px photos
-# going to 64 px, while INTER_AREA alone would enlarge (small crops, small images) like nearest neighbour.
-RESIZE = dict(interpolation=cv2.INTER_LINEAR, area_for_downscale="image")
+if TYPE_CHECKING:
+    import albumentations as A
+
+# Bilinear (cv2.INTER_LINEAR), switched to INTER_AREA whenever an image shrinks: area averaging avoids aliasing on
+# 500 px photos going to 64 px, while INTER_AREA alone would enlarge (small crops, small images) like nearest
+# neighbour.
+RESIZE = dict(interpolation=1, area_for_downscale="image")
 CROP_RATIO = (3 / 4, 4 / 3)   # RandomResizedCrop's aspect-ratio range
 
 
@@ -45,6 +50,8 @@ def train_base_size(size: int, scale_min: float) -> int:
 
 def resize_op(size: int, mode: str) -> A.BasicTransform:
     """First eval step: "squash" resizes to size x size; "center_crop" scales the shorter side to size."""
+    import albumentations as A
+
     if mode == "squash":
         return A.Resize(height=size, width=size, **RESIZE)
     if mode == "center_crop":
@@ -52,31 +59,51 @@ def resize_op(size: int, mode: str) -> A.BasicTransform:
     raise ValueError(f"unknown resize_mode {mode!r} (use 'squash' or 'center_crop')")
 
 
-class LutNormalize(A.Normalize):
-    """``A.Normalize`` (mean/std, "standard") with one 3-channel table lookup for uint8 RGB images.
+@functools.cache
+def _lut_normalize() -> type:
+    """The ``LutNormalize`` class, defined on first use: its base class is albumentations' ``A.Normalize``."""
+    import albumentations as A
+    import cv2
 
-    albucore normalises uint8 through a table per channel and merges the three float planes; for equal means and
-    stds (the 0.5 models) it takes another, slow path that costs most of the decode work when indexing small photos.
-    One ``cv2.LUT`` with a 3-channel table of the same float32 values (``(i - mean) * (1 / (std * 255))``, as
-    albucore computes them) gives the same bits at a fraction of the cost (``tests/test_data_pipeline.py`` checks it
-    against ``A.Normalize``). Anything else goes to ``A.Normalize`` itself.
-    """
+    class LutNormalize(A.Normalize):
+        """``A.Normalize`` (mean/std, "standard") with one 3-channel table lookup for uint8 RGB images.
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        mean, denominator = self.mean_np.reshape(1, -1), self.denominator.reshape(1, -1)
-        self._lut = np.ascontiguousarray(((np.arange(256, dtype=np.float32)[:, None] - mean) * denominator)
-                                         .astype(np.float32)[:, None, :])   # (256, 1, C): cv2's C-channel table
+        albucore normalises uint8 through a table per channel and merges the three float planes; for equal means
+        and stds (the 0.5 models) it takes another, slow path that costs most of the decode work when indexing small
+        photos. One ``cv2.LUT`` with a 3-channel table of the same float32 values (``(i - mean) * (1 / (std *
+        255))``, as albucore computes them) gives the same bits at a fraction of the cost
+        (``tests/test_data_pipeline.py`` checks it against ``A.Normalize``). Anything else goes to ``A.Normalize``
+        itself.
+        """
 
-    def apply(self, img: np.ndarray, **params) -> np.ndarray:
-        if (self.normalization == "standard" and img.dtype == np.uint8 and img.ndim == 3
-                and img.shape[2] == self._lut.shape[2] == 3):
-            return cv2.LUT(img, self._lut)
-        return super().apply(img, **params)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            mean, denominator = self.mean_np.reshape(1, -1), self.denominator.reshape(1, -1)
+            self._lut = np.ascontiguousarray(((np.arange(256, dtype=np.float32)[:, None] - mean) * denominator)
+                                             .astype(np.float32)[:, None, :])   # (256, 1, C): cv2's C-channel table
+
+        def apply(self, img: np.ndarray, **params) -> np.ndarray:
+            if (self.normalization == "standard" and img.dtype == np.uint8 and img.ndim == 3
+                    and img.shape[2] == self._lut.shape[2] == 3):
+                return cv2.LUT(img, self._lut)
+            return super().apply(img, **params)
+
+    LutNormalize.__qualname__ = "LutNormalize"   # pickled by reference as clip_mini.data.transforms.LutNormalize
+    return LutNormalize
+
+
+def __getattr__(name: str):
+    """``LutNormalize`` (module attribute, created with albumentations on first access)."""
+    if name == "LutNormalize":
+        globals()[name] = _lut_normalize()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _normalise(pre: PreprocessConfig) -> list[A.BasicTransform]:
-    return [LutNormalize(mean=tuple(pre.mean), std=tuple(pre.std), max_pixel_value=255.0), ToTensorV2()]
+    from albumentations.pytorch import ToTensorV2
+
+    return [_lut_normalize()(mean=tuple(pre.mean), std=tuple(pre.std), max_pixel_value=255.0), ToTensorV2()]
 
 
 class ImageTransform:
@@ -109,6 +136,8 @@ class ImageTransform:
             self.compose.set_random_seed(torch.initial_seed() % 2**32)
         out = self.compose(image=image)["image"]
         if self.bf16_table is not None:   # (S, S, 3) uint8 -> bf16 bits -> a channels-last (3, S, S) view
+            import cv2
+
             return torch.from_numpy(cv2.LUT(out, self.bf16_table)).view(torch.bfloat16).permute(2, 0, 1)
         return out.contiguous()   # (3, S, S) float32
 
@@ -123,6 +152,8 @@ def build_eval_transform(pre: PreprocessConfig, dtype: torch.dtype = torch.float
     bitwise the float32 transform's output cast to bf16 (``tests/test_data_pipeline.py``). That saves much of the
     float32 path's work per image when indexing for a bf16 tower.
     """
+    import albumentations as A
+
     steps = [resize_op(pre.image_size, pre.resize_mode)]
     if pre.resize_mode == "center_crop":
         steps.append(A.CenterCrop(height=pre.image_size, width=pre.image_size))
@@ -153,6 +184,8 @@ def build_train_transform(pre: PreprocessConfig, cfg: DataConfig, seed: int | No
         seed: seed of the augmentation stream in the main process (default ``cfg.seed``); DataLoader workers
             reseed, see ``ImageTransform``.
     """
+    import albumentations as A
+
     s, base = pre.image_size, train_base_size(pre.image_size, cfg.scale_min)
     # "center_crop" keeps the aspect ratio and crops from the whole picture, not from the eval centre square
     steps = [resize_op(base, pre.resize_mode),
