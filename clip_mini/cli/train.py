@@ -43,9 +43,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "train.py") -> int:
     from clip_mini.cli.common import EXIT_USER_ERROR
     from clip_mini.config import ConfigError, load_config, precision_settings
     from clip_mini.errors import ModelDirError
+
+    args = build_parser(prog).parse_args(argv)   # --help and usage errors exit here, before torch is imported
     from clip_mini.train.build import run_precision
 
-    args = build_parser(prog).parse_args(argv)
     overrides = list(args.overrides) + ([f"train.out_dir={args.out}"] if args.out else [])
     overrides += [f"train.budget={args.budget}"] if args.budget else []
     overrides += [f"train.init_from={args.init_from}"] if args.init_from else []
