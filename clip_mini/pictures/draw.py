@@ -220,12 +220,10 @@ def plot_curves(records: Sequence[dict], out_png: str | Path) -> None:
             ``step``, ``val_loss``, ``val_t2i_r1``, ``val_i2t_r1``, ...). Missing keys and NaNs are skipped.
 
     Panels: training loss per step with validation loss per epoch; validation recall per epoch; learning rate and
-    logit scale per step.
+    logit scale per step. Drawn on a bare ``Figure`` (Agg, no pyplot) with fixed margins: the panels' places do not
+    depend on the data, so nothing is measured before the one draw that writes the PNG.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     steps, epochs, last_step = [], [], None
     for r in records:
@@ -236,30 +234,29 @@ def plot_curves(records: Sequence[dict], out_png: str | Path) -> None:
             epochs.append(r if r.get("step") is not None else {**r, "step": last_step})
     if not steps and not epochs:
         raise ValueError("plot_curves: no step or epoch records")
-    fig, (ax_loss, ax_rec, ax_lr) = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
-    try:
-        _line(ax_loss, steps, "step", "loss", "train loss", lw=0.8)
-        _line(ax_loss, epochs, "step", "val_loss", "val loss", marker="o")
-        ax_loss.set(xlabel="step", ylabel="loss", title="contrastive loss")
-        recall_keys = sorted({k for r in epochs for k in r if re.fullmatch(r"val_(t2i|i2t)_r\d+", k)},
-                             key=lambda k: (k[4:7], int(k.split("_r")[-1])))
-        for key in recall_keys:
-            _line(ax_rec, epochs, "epoch", key, key[4:], marker="o")
-        ax_rec.set(xlabel="epoch", ylabel="recall", title="validation retrieval", ylim=(0, 1.02))
-        _line(ax_lr, steps, "step", "lr", "lr", lw=0.8)
-        ax_lr.set(xlabel="step", ylabel="learning rate", title="schedule")
-        twin = ax_lr.twinx()
-        _line(twin, steps, "step", "logit_scale", "logit scale", lw=0.8, color="tab:red")
-        twin.set_ylabel("logit scale")
-        for ax in (ax_loss, ax_rec, ax_lr):
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(loc="best", fontsize=8)
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        with atomic_path(out_png, suffix=".png") as tmp:
-            fig.savefig(tmp, format="png")
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(15, 4), dpi=100)
+    ax_loss, ax_rec, ax_lr = fig.subplots(1, 3)
+    # room for the tick labels, axis labels and titles, and for the twin axis' label right of the last panel
+    fig.subplots_adjust(left=0.045, right=0.955, bottom=0.12, top=0.93, wspace=0.28)
+    _line(ax_loss, steps, "step", "loss", "train loss", lw=0.8)
+    _line(ax_loss, epochs, "step", "val_loss", "val loss", marker="o")
+    ax_loss.set(xlabel="step", ylabel="loss", title="contrastive loss")
+    recall_keys = sorted({k for r in epochs for k in r if re.fullmatch(r"val_(t2i|i2t)_r\d+", k)},
+                         key=lambda k: (k[4:7], int(k.split("_r")[-1])))
+    for key in recall_keys:
+        _line(ax_rec, epochs, "epoch", key, key[4:], marker="o")
+    ax_rec.set(xlabel="epoch", ylabel="recall", title="validation retrieval", ylim=(0, 1.02))
+    _line(ax_lr, steps, "step", "lr", "lr", lw=0.8)
+    ax_lr.set(xlabel="step", ylabel="learning rate", title="schedule")
+    twin = ax_lr.twinx()
+    _line(twin, steps, "step", "logit_scale", "logit scale", lw=0.8, color="tab:red")
+    twin.set_ylabel("logit scale")
+    for ax in (ax_loss, ax_rec, ax_lr):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=8)
+        ax.grid(alpha=0.3)
+    with atomic_path(out_png, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png")
 
 
 def _line(ax, rows: Sequence[dict], xkey: str, ykey: str, label: str, **kw) -> None:

@@ -3,6 +3,10 @@
 Stages: set-up (processes, run dir, data, tokenizer, model, optimiser), resume, then per step: set lr,
 forward/backward (with contrastive accumulation), clip, guard against non-finite values, step, log, checkpoint;
 per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and a summary table.
+
+``curves.png`` is drawn (matplotlib: a fraction of a second) when the run ends, finished or paused, and at an epoch
+end when this process last drew it ``CURVES_EVERY_S`` or more before: a long run's picture follows it, and short
+runs draw it once.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ from clip_mini.train.pace import Pace
 from clip_mini.train.prepare import prepare
 from clip_mini.train.logbook import MetricsLog, is_better, metric_key, summary_table, write_curves
 from clip_mini.train.optim import build_optimizer, freeze_towers, set_lr, set_train_mode
+
+CURVES_EVERY_S = 60.0   # curves.png during a run: rewritten at an epoch end at most this often
 
 
 def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] = None,
@@ -90,10 +96,21 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
     pace = Pace.build(cfg, spe, clock, ckpt, device, main)
     eval_transform = _eval_transform(model)
 
+    curves_at = [t0]   # when this process last drew curves.png (the start of train() until it has)
+
+    def draw_curves() -> None:
+        if log.rows:
+            with clock("curves"):
+                write_curves(log.rows, run / "curves.png")
+            curves_at[0] = time.time()
+
     def evaluate(epoch_done: int) -> dict:
         with clock("evaluation"):
-            return _evaluate(model, splits["val"], eval_transform, prep.cache, cfg, device, log, state, epoch_done,
-                             t0, prep.frozen_feats)
+            val = _evaluate(model, splits["val"], eval_transform, prep.cache, cfg, device, log, state, epoch_done,
+                            t0, prep.frozen_feats)
+        if time.time() - curves_at[0] >= CURVES_EVERY_S:
+            draw_curves()
+        return val
 
     # -- resume or evaluate the untrained model --------------------------------------------------------------
     state = {"step": 0, "epoch": 0, "pos": 0, "best": None, "bad_steps": 0, "epoch_loss": [0.0, 0]}
@@ -203,6 +220,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
         with clock("model_save"):
             model.save_pretrained(run / "final", extra={"trained": _provenance(state["step"], state["epoch"],
                                                                                _last_val(log), t)})
+    if main:
+        draw_curves()
     barrier()
     result = {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
               "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
@@ -369,7 +388,7 @@ def _eval_transform(model):
 
 def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog, state: dict, epoch_done: int,
               t0: float, frozen_feats: Optional[dict] = None) -> dict:
-    """Evaluate on the validation split, add the epoch row, rewrite ``metrics.jsonl`` and ``curves.png``.
+    """Evaluate on the validation split, add the epoch row, rewrite ``metrics.jsonl``.
 
     The row's ``time_s`` is the run's wall time so far (this process), ``eval_s`` the evaluation's share of it.
     """
@@ -385,7 +404,6 @@ def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog,
              **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start,
              "precision": t.precision})
     log.flush()
-    write_curves(log.rows, log.path.parent / "curves.png")
     tqdm.write(f"epoch {epoch_done}: val loss {val['loss']:.4f}  t2i R@1/5/10 {val['t2i_r1']:.3f}/"
                f"{val['t2i_r5']:.3f}/{val['t2i_r10']:.3f}  i2t R@1/5/10 {val['i2t_r1']:.3f}/{val['i2t_r5']:.3f}/"
                f"{val['i2t_r10']:.3f}  medr {val['t2i_medr']:.0f}/{val['i2t_medr']:.0f}")
