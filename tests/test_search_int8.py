@@ -2,7 +2,7 @@
 
 The kernel gives the float32 brute-force top-K of the rows as stored, ties by row id, as every kernel does (random,
 clustered and near-tied rows, exact duplicates across chunks and groups, k past a group's 16 rows and past the group
-pass's limit, a padded last chunk, one worker or two, queries in several blocks); its error bound holds on
+pass's limit, a partial last chunk, one worker or two, queries in several blocks); its error bound holds on
 adversarial rows and queries, and is not loose where it matters (a query along a row's residual reaches its row
 term); an inexact integer product is refused; the sidecar is made once, beside the rows or in the user cache,
 reused (by another process too, read-only through the page cache), made again when the rows change, and never used
@@ -78,7 +78,8 @@ def _check(rows, q, k, **kw):
 @pytest.mark.parametrize("n", [1024, 5003, 40_000])
 @pytest.mark.parametrize("k", [1, 10, 40])
 def test_int8_pass_equals_float32_brute_force(kind, storage, workers, n, k, monkeypatch):
-    monkeypatch.setattr(C, "PAD", 2048)   # several chunks of group maxima, the last one padded (but for n = 1024)
+    monkeypatch.setattr(exact_int8, "CHUNK", 2048)   # several chunks of group maxima, the last one partial
+    monkeypatch.setattr(exact_int8, "MAX_CHUNK", 2048)
     monkeypatch.setattr(groups, "cores", lambda: workers)   # the product's threads
     rows, q = _rows(kind, storage, n, 64, seed=n + k)
     _check(rows, q, k)
@@ -96,12 +97,12 @@ def test_many_queries_run_in_blocks_with_the_same_result(monkeypatch):
     rows, q = _rows("clustered", "float16", 9000, 32, seed=3)
     q = np.concatenate([q, q[::-1] * 0.5])
     whole = S.exact_search(rows, q, 10, kernel="int8")
-    monkeypatch.setattr(exact_int8, "MAX_SCORE_BYTES", 3 * 4 * C.padded(len(rows)))   # blocks of 3 queries
+    monkeypatch.setattr(exact_int8, "MAX_QUERIES", 3)   # blocks of 3 queries
     calls = []
-    scores = exact_int8.scores
-    monkeypatch.setattr(exact_int8, "scores", lambda codes, qs: calls.append(len(qs)) or scores(codes, qs))
+    scorer = exact_int8.scorer
+    monkeypatch.setattr(exact_int8, "scorer", lambda codes, qs, r: calls.append(len(qs)) or scorer(codes, qs, r))
     blocked = S.exact_search(rows, q, 10, kernel="int8")
-    assert max(calls) == 3 and len(calls) == 5
+    assert sorted(set(calls)) == [2, 3]   # 14 queries: four blocks of 3, one of 2 (a scorer per worker each)
     np.testing.assert_array_equal(blocked[1], whole[1])
     np.testing.assert_array_equal(blocked[0], whole[0])
     _check(rows, q, 10)
@@ -117,7 +118,7 @@ def test_zero_query_and_zero_rows_are_exact():
 # -- the error bound -------------------------------------------------------------------------------------------------
 def _approximate(codes, q):
     """The kernel's own approximate scores (N, Q), each query scaled as ``exact_int8.normalized``."""
-    return exact_int8.scores(codes, np.ascontiguousarray(q, np.float32))[:, :codes.rows].T.copy()
+    return exact_int8.scores(codes, np.ascontiguousarray(q, np.float32))
 
 
 def _adversarial(d, rng):
@@ -161,9 +162,8 @@ def test_margin_is_never_violated_on_adversarial_rows_and_queries(d):
 
 
 def _decoded(codes):
-    """(N, d) float64: what the codes stand for, scales[r] * (codes[:, r] - 128)."""
-    n = codes.rows
-    return codes.scales[:n].astype(np.float64)[:, None] * (codes.codes[:, :n].T.astype(np.float64) - C.ZERO)
+    """(N, d) float64: what the codes stand for, scales[r] * (codes[r] - 128)."""
+    return codes.scales.astype(np.float64)[:, None] * (codes.codes.astype(np.float64) - C.ZERO)
 
 
 def test_stored_residual_figures_are_the_rows_own():
@@ -173,7 +173,7 @@ def test_stored_residual_figures_are_the_rows_own():
     x = rows.astype(np.float64)
     approx = _decoded(codes)
     assert np.abs(codes.codes.astype(int) - C.ZERO).max() <= C.LEVELS and codes.codes.min() >= 1
-    assert (codes.codes[:, codes.rows:] == C.ZERO).all() and (codes.scales[codes.rows:] == 0).all()
+    assert codes.codes.shape == rows.shape and codes.scales.shape == (len(rows),) and codes.shape == rows.shape
     assert codes.row_error >= np.linalg.norm(x - approx, axis=1).max()
     assert codes.code_norm >= np.linalg.norm(approx, axis=1).max()
     assert codes.row_error <= 1.001 * np.linalg.norm(x - approx, axis=1).max()
@@ -190,32 +190,31 @@ def test_non_finite_rows_have_no_codes():
         S.exact_search(rows, np.ones(4, np.float32) / 2, 3, kernel="int8")
 
 
-class _Product:
-    """A session's stand-in: u8 queries times the constant u8 codes, both less 128; ``saturating``: as AVX2's
-    u8 x s8 instruction would compute it (the query unsigned, the codes signed), int16 pair sums clipped."""
-
-    def __init__(self, matrix, scales, saturating: bool):
-        self.matrix, self.scales, self.saturating = matrix.astype(np.int64), scales, saturating
-
-    def run(self, names, feeds):
-        A, B = feeds["A"].astype(np.int64), self.matrix - C.ZERO
-        if not self.saturating:
-            D = (A - C.ZERO) @ B
-        else:
-            prod = A[:, :, None] * B[None, :, :]                            # (m, d, P)
-            pairs = np.clip(prod[:, 0::2] + prod[:, 1::2], -32768, 32767)    # int16 pair sums
-            D = pairs.sum(axis=1) - C.ZERO * B.sum(axis=0)[None, :]
-        return [(D * self.scales).astype(np.float32)]
+def _product(A, Q, S, out, saturating: bool) -> None:
+    """A product's stand-in: the stored codes less 128 times the query codes, times the scales; ``saturating``: as
+    AVX2's u8 x s8 instruction would compute it (the codes unsigned, the queries signed), int16 pair sums clipped."""
+    A, Q = A.astype(np.int64), Q.astype(np.int64)
+    if not saturating:
+        D = (A - C.ZERO) @ Q
+    else:
+        prod = A[:, :, None] * Q[None, :, :]                             # (c, d, m)
+        pairs = np.clip(prod[:, 0::2] + prod[:, 1::2], -32768, 32767)     # int16 pair sums
+        D = pairs.sum(axis=1) - C.ZERO * Q.sum(axis=0)[None, :]
+    out[:] = (D * S[:, None]).astype(np.float32)
 
 
 def test_an_inexact_integer_product_is_refused(monkeypatch):
     """A product whose int16 pair sums saturate (AVX2's u8 x s8 instruction with 8-bit queries) is caught by the
     check before any search, and then neither ``auto`` nor a forced search uses the kernel."""
-    exact_int8._check_product(lambda m, s: _Product(m, s, False), 24)   # the u8 x u8 product: exact
+    exact_int8._check_product(lambda A, Q, S_, out: _product(A, Q, S_, out, False), 24)   # exact
     with pytest.raises(RuntimeError, match="not exact"):
-        exact_int8._check_product(lambda m, s: _Product(m, s, True), 24)
+        exact_int8._check_product(lambda A, Q, S_, out: _product(A, Q, S_, out, True), 24)
+
+    def fake(saturates):
+        return lambda signed, Q: (lambda A, S_, out: _product(A, Q, S_, out, saturates(signed)))
+
     monkeypatch.setattr(exact_int8, "_checked", {})
-    monkeypatch.setattr(exact_int8, "_build", lambda m, s, codes, threads, signed=False: _Product(m, s, True))
+    monkeypatch.setattr(exact_int8, "_product", fake(lambda signed: True))
     assert not exact_int8.works(24)
     with pytest.raises(ValueError, match="does not run here"):
         S.exact_search(np.ones((10, 24), np.float16), np.ones(24, np.float32), 3, kernel="int8")
@@ -223,25 +222,27 @@ def test_an_inexact_integer_product_is_refused(monkeypatch):
     for signed_exact in (True, False):
         monkeypatch.setattr(exact_int8, "_checked", {})
         monkeypatch.setattr(exact_int8, "_signed", {})
-        monkeypatch.setattr(exact_int8, "_build", lambda m, s, codes, threads, signed=False:
-                            _Product(m, s, saturating=signed and not signed_exact))
+        monkeypatch.setattr(exact_int8, "_product", fake(lambda signed: signed and not signed_exact))
         assert exact_int8.works(24) and exact_int8._signed[24] is signed_exact
 
 
 def test_the_products_this_machine_runs_are_exact():
-    """Both sessions ``_build`` makes, on the machine's own onnxruntime: the u8 x s8 one (codes folded from the
-    stored bytes) where ``works`` takes it, and the u8 x u8 one, each equal to numpy's integer product."""
+    """Both products on the machine's own onnxruntime, chunks of stored codes read in place: the u8 x s8 one where
+    ``works`` takes it, and the u8 x u8 one, each equal to numpy's integer product times the scales."""
     pytest.importorskip("onnxruntime")
     rng = np.random.default_rng(3)
-    matrix = rng.integers(1, 256, (40, 300)).astype(np.uint8)
-    A = rng.integers(1, 256, (9, 40)).astype(np.uint8)
-    want = ((A.astype(np.int64) - C.ZERO) @ (matrix.astype(np.int64) - C.ZERO)).astype(np.float32)
-    unsigned = exact_int8._build(matrix, np.ones(300, np.float32), None, 1, signed=False)
-    np.testing.assert_array_equal(unsigned.run(["Y"], {"A": A})[0], want)
+    A = rng.integers(1, 256, (300, 40)).astype(np.uint8)
+    Q = rng.integers(-127, 128, (40, 9))
+    scales = rng.random(300).astype(np.float32)
+    want = (((A.astype(np.int64) - C.ZERO) @ Q).astype(np.float32) * scales[:, None]).astype(np.float32)
     assert exact_int8.works(40)
-    if exact_int8._signed[40]:
-        signed = exact_int8._build(matrix, np.ones(300, np.float32), None, 1, signed=True)
-        np.testing.assert_array_equal(signed.run(["Y"], {"A": A})[0], want)
+    for signed in (False, True) if exact_int8._signed[40] else (False,):
+        got = np.empty((300, 9), np.float32)
+        exact_int8._product(signed, Q)(A, scales, got)
+        np.testing.assert_array_equal(got, want)
+        part = np.empty((7, 9), np.float32)   # a chunk in the middle of the codes, as the group pass reads it
+        exact_int8._product(signed, Q)(A[100:107], scales[100:107], part)
+        np.testing.assert_array_equal(part, want[100:107])
 
 
 # -- the sidecar -----------------------------------------------------------------------------------------------------
@@ -399,10 +400,10 @@ def test_auto_picks_int8_only_where_the_codes_are_at_hand(tmp_path, monkeypatch)
     dispatch.searches.clear()
     S.exact_search(mm, q[:m], 5)
     assert dispatch.searches["int8"] == 0 and not (tmp_path / "embeddings-1.int8").exists()   # auto makes none
-    assert S.prepare(mm)   # what a server does when it opens a generation: the session on a thread of its own
-    made = C.for_rows(mm, make=False)
+    monkeypatch.setattr(exact_int8, "_checked", {})
+    assert S.prepare(mm)   # what a server does when it opens a generation: the product's check on its own thread
     for _ in range(600):
-        if not exact_int8.busy(made):
+        if exact_int8.checked(32) is not None:
             break
         S.exact_search(mm, q[:m], 5)   # meanwhile the other kernels answer
         time.sleep(0.05)

@@ -198,7 +198,8 @@ def test_auto_picks_the_kernel_measured_fastest_here(where, monkeypatch):
         monkeypatch.delitem(sys.modules, "torch", raising=False)
     for key, row in data[where].items():
         m = int(key[1:])
-        pick = S.auto_kernel(data["rows"], m, True, int8=data.get("int8_codes", False))
+        pick = S.auto_kernel(data["rows"], m, True, int8=data.get("int8_codes", False),
+                             int8_signed=data.get("int8_signed", False))
         assert pick == row["kernel"], (key, pick, row["kernel"])
         fastest = row[row["fastest_forced"]]["p50_ms"]
         assert row[pick]["p50_ms"] <= 1.1 * fastest, (key, pick, row["fastest_forced"])

@@ -171,8 +171,13 @@ def test_auto_kernel_choices(kind, monkeypatch):
     assert S.auto_kernel(1000, 64, True) == "numpy"        # a small matrix: not worth a session
     assert S.auto_kernel(1_000_000, 1, False) == "numpy"   # float32 rows: no 16-bit codes to scan
     # the int8 pass where its codes are at hand, on a CPU without AMX; with AMX torch's bf16 products are faster
-    assert (S.auto_kernel(1_000_000, S.INT8_MAX_QUERIES, True, int8=True) == "int8") is (not amx)
-    assert S.auto_kernel(1_000_000, S.INT8_MAX_QUERIES + 1, True, int8=True) != "int8"
+    # (VNNI's u8 x s8 product from INT8_MIN_QUERIES; without VNNI, its u8 x u8 one, INT8_MIN/MAX_QUERIES_U8)
+    for m in (S.INT8_MIN_QUERIES, 64):
+        assert (S.auto_kernel(1_000_000, m, True, int8=True) == "int8") is (not amx)
+    assert S.auto_kernel(1_000_000, S.INT8_MIN_QUERIES - 1, True, int8=True) == "faiss"
+    for m in (S.INT8_MIN_QUERIES_U8, S.INT8_MAX_QUERIES_U8):
+        assert (S.auto_kernel(1_000_000, m, True, int8=True, int8_signed=False) == "int8") is (not amx)
+    assert S.auto_kernel(1_000_000, S.INT8_MAX_QUERIES_U8 + 1, True, int8=True, int8_signed=False) != "int8"
     monkeypatch.setitem(sys.modules, "torch", object())
     assert S.auto_kernel(1_000_000, 1, True) == "faiss"
     if amx:   # torch's bf16 products

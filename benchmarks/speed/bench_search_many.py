@@ -90,6 +90,7 @@ def arms(path: str, queries: list[int], repeats: int, torch_loaded: bool) -> dic
     emb = np.load(path, mmap_mode="r")
     n, dim = emb.shape
     int8 = codes.ready(emb) and exact_int8.works(dim)   # the sidecar the parent process made
+    signed = bool(exact_int8.signed(dim))   # its product: u8 x s8 (VNNI) or u8 x u8
     rng = np.random.default_rng(1)
     qr = rng.standard_normal((max(queries), dim)).astype(np.float32)
     qr /= np.linalg.norm(qr, axis=1, keepdims=True)
@@ -117,7 +118,7 @@ def arms(path: str, queries: list[int], repeats: int, torch_loaded: bool) -> dic
                 times[name].append(time.perf_counter() - t)
             for lib in libraries:   # a quiet moment between rounds raises the peak: the floor only gets stricter
                 peaks[lib] = max(peaks[lib], sgemm_peak(lib, seconds=0.15))
-        row = {"kernel": S.auto_kernel(n, m, True, int8=int8)}
+        row = {"kernel": S.auto_kernel(n, m, True, int8=int8, int8_signed=signed)}
         for name in names:
             row[name] = {"p50_ms": round(1000 * float(np.percentile(times[name], 50)), 2),
                          "p95_ms": round(1000 * float(np.percentile(times[name], 95)), 2), **checks[name]}
@@ -129,7 +130,7 @@ def arms(path: str, queries: list[int], repeats: int, torch_loaded: bool) -> dic
         row["picked_vs_fastest"] = round(row[row["kernel"]]["p50_ms"] / row[forced]["p50_ms"], 3)
         out[f"q{m}"] = row
     return {"arms": out, "fp32_peak_gflops": {lib: round(v, 1) for lib, v in peaks.items()},
-            "torch_imported": "torch" in sys.modules, "int8_codes": int8}
+            "torch_imported": "torch" in sys.modules, "int8_codes": int8, "int8_signed": signed}
 
 
 def main(argv=None) -> dict:
@@ -183,6 +184,7 @@ def main(argv=None) -> dict:
                     arm["x_floor"] = round(arm["p50_ms"] / result["floor_ms"][key], 3)
         result[name] = part["arms"]
     result["int8_codes"] = free["int8_codes"] and loaded["int8_codes"]
+    result["int8_signed"] = free["int8_signed"]
     q = f"q{max(args.queries)}"
     result["meets_target"] = {name: result[name][q]["auto"]["x_floor"] <= TARGET_X_FLOOR
                               for name in ("torch_free", "torch_loaded")}

@@ -5,9 +5,9 @@ Exact search has five kernels with the same result, the float32 top-K of the row
 
 * int8 (``exact_int8``): where the rows' int8 codes are at hand (``codes``: a memory-mapped sidecar that
   ``clip-mini index`` writes beside the rows of each generation of 65,536 rows or more, or that an earlier int8
-  search made), on a CPU without AMX, for the query counts where it is measured faster (1 to 8:
-  ``dispatch.INT8_MIN_QUERIES``). An 8-bit integer product over one byte a value, its error bound computed from the
-  codes' stored residuals and the query's own quantization.
+  search made), on a CPU without AMX, for the query counts where it is measured faster (5 or more with VNNI, 1 to 8
+  without: ``dispatch.INT8_MIN_QUERIES``). An 8-bit integer product over one byte a value, its error bound computed
+  from the codes' stored residuals and the query's own quantization.
 
 * faiss scan (``exact_faiss``): one or a few queries, with or without torch, when faiss >= 1.11 is installed;
   faiss streams the stored rows in place, one read of the matrix a query.
@@ -46,7 +46,7 @@ from clip_mini.retrieval.search.approximate import (FAISS_THRESHOLD, HNSW_M, IVF
                                                     ivf_lists, ivfpq_lists, load_faiss, save_faiss)
 from clip_mini.retrieval.search.dispatch import (FAISS_SCAN_MAX_QUERIES, FAISS_SCAN_MAX_QUERIES_NO_BF16,
                                                  FAISS_SCAN_MAX_QUERIES_NO_TORCH, FAISS_SCAN_MIN_ROWS,
-                                                 INT8_MAX_QUERIES, INT8_MIN_QUERIES, INT8_MIN_ROWS, KERNELS,
+                                                 INT8_MAX_QUERIES_U8, INT8_MIN_QUERIES, INT8_MIN_QUERIES_U8, INT8_MIN_ROWS, KERNELS,
                                                  ORT_MIN_ROWS,
                                                  TORCH_MIN_ROWS, auto_kernel, exact_search, prepare, searches)
 from clip_mini.retrieval.search.exact_faiss import faiss_scan_available
@@ -54,7 +54,7 @@ from clip_mini.retrieval.search.faiss_lib import faiss_available
 from clip_mini.retrieval.search.faiss_lib import faiss_module as _faiss   # the name retrieval/dupes.py imports
 
 __all__ = ["FAISS_SCAN_MAX_QUERIES", "FAISS_SCAN_MAX_QUERIES_NO_BF16", "FAISS_SCAN_MAX_QUERIES_NO_TORCH",
-           "FAISS_SCAN_MIN_ROWS", "FAISS_THRESHOLD", "HNSW_M", "INT8_MAX_QUERIES", "INT8_MIN_QUERIES",
+           "FAISS_SCAN_MIN_ROWS", "FAISS_THRESHOLD", "HNSW_M", "INT8_MAX_QUERIES_U8", "INT8_MIN_QUERIES", "INT8_MIN_QUERIES_U8",
            "INT8_MIN_ROWS", "IVFPQ_MIN_ROWS", "IVFPQ_THRESHOLD", "KERNELS", "ORT_MIN_ROWS", "RERANK", "TORCH_MIN_ROWS",
            "FaissKind", "auto_kernel", "build_faiss", "exact_search", "faiss_available", "faiss_memory", "prepare",
            "searches",

@@ -5,13 +5,12 @@ Each row x (its stored values: float16, bfloat16 or float32, exact in float64) g
 (float32) and codes c_i = round(x_i / s) in [-127, 127], stored as c + 128 (uint8, 1..255). With them go the two
 figures the kernel's error bound rests on (``bounds.quantized_margin``), computed in float64 from the stored values
 and the stored scales: ``row_error``, the largest |x - s c| over the rows, and ``code_norm``, the largest |s c|.
-The codes are stored transposed, (d, P) with P the rows rounded up to ``PAD`` (the padding's codes 0, stored 128,
-and its scales 0): the constant right-hand operand of the int8 kernel's product, as onnxruntime reads it from the
-file.
+The codes are stored row by row, (N, d): a chunk of rows is a contiguous slice of the memory map, the left-hand
+operand of the int8 kernel's product as it is (no copy, no packed copy per process).
 
 The sidecar of ``<name>.npy`` (an index's ``embeddings-<gen>.npy``) is two files beside it:
 
-    <name>.int8         the codes (d, P) uint8, then the scales (P,) float32 at ``scales_offset`` (page-aligned):
+    <name>.int8         the codes (N, d) uint8, then the scales (N,) float32 at ``scales_offset`` (page-aligned):
                         what every process memory-maps read-only, so ``clip-mini serve --workers N`` share one copy
                         through the page cache, as they share the float16 rows
     <name>.int8.json    what it holds: rows, width, row_error, code_norm, the sha256 of the rows it was made from
@@ -42,10 +41,9 @@ import numpy as np
 from clip_mini.retrieval.rows import BF16Rows
 
 FORMAT = "clip-mini int8 codes"
-VERSION = 2
+VERSION = 3
 LEVELS = 127          # codes in [-LEVELS, LEVELS]
 ZERO = 128            # stored as code + ZERO (uint8)
-PAD = 8192            # rows padded to a multiple of this (whole chunks of the int8 pass's group maxima)
 MIN_ROWS = 65_536     # ``clip-mini index`` writes a sidecar from this many rows (the int8 kernel's ``auto`` range)
 _BLOCK = 65_536       # rows quantized at a time (bounded memory whatever the index's size)
 _PAGE = 4096
@@ -53,11 +51,11 @@ _PAGE = 4096
 
 @dataclass(frozen=True, eq=False)   # compared and hashed by identity: the kernel keeps its session per codes
 class Int8Codes:
-    """int8 codes of N rows of width d, transposed and padded.
+    """int8 codes of N rows of width d.
 
-    codes: (d, P) uint8, code + ``ZERO``, P = N rounded up to ``pad``: column r < N holds row r's codes, the
-        rest ``ZERO`` (a read-only memory map when it comes from a sidecar, ``path``).
-    scales: (P,) float32: row r is approximated by scales[r] * (codes[:, r] - ZERO); zero past N.
+    codes: (N, d) uint8, code + ``ZERO``: row r holds row r's codes (a read-only memory map when it comes from a
+        sidecar, ``path``).
+    scales: (N,) float32: row r is approximated by scales[r] * (codes[r] - ZERO).
     rows: N. row_error: max over rows of |x - x^| (float64, rounded up); code_norm: max over rows of |x^|.
     """
 
@@ -66,20 +64,13 @@ class Int8Codes:
     rows: int
     row_error: float
     code_norm: float
-    pad: int = PAD
     path: Optional[Path] = None
     scales_offset: int = 0   # where the scales start in the file at ``path``
 
     @property
     def shape(self) -> tuple[int, int]:
         """(N, d): the rows' shape."""
-        return self.rows, self.codes.shape[0]
-
-
-def padded(n: int, pad: int | None = None) -> int:
-    """Rows rounded up to a multiple of ``pad`` (default ``PAD``; one chunk at least)."""
-    pad = PAD if pad is None else pad
-    return max(pad, -(-n // pad) * pad)
+        return self.rows, self.codes.shape[1]
 
 
 def quantize(rows, start: int = 0, stop: Optional[int] = None) -> tuple[np.ndarray, np.ndarray, float, float]:
@@ -106,11 +97,11 @@ def quantize(rows, start: int = 0, stop: Optional[int] = None) -> tuple[np.ndarr
 
 
 def _fill(rows, codes: np.ndarray, scales: np.ndarray) -> tuple[float, float]:
-    """Quantize ``rows`` block by block into the transposed ``codes`` and ``scales``; the two bound figures."""
+    """Quantize ``rows`` block by block into ``codes`` and ``scales``; the two bound figures."""
     row_error = code_norm = 0.0
     for start in range(0, len(rows), _BLOCK):
         c, s, e, m = quantize(rows, start, start + _BLOCK)
-        codes[:, start:start + len(c)], scales[start:start + len(s)] = c.T, s
+        codes[start:start + len(c)], scales[start:start + len(s)] = c, s
         row_error, code_norm = max(row_error, e), max(code_norm, m)
     return row_error, code_norm
 
@@ -118,9 +109,9 @@ def _fill(rows, codes: np.ndarray, scales: np.ndarray) -> tuple[float, float]:
 def build(rows) -> Int8Codes:
     """Codes of every row, in memory."""
     n, d = rows.shape
-    codes = np.full((d, padded(n)), ZERO, np.uint8)
-    scales = np.zeros(padded(n), np.float32)
-    return Int8Codes(codes, scales, n, *_fill(rows, codes, scales), pad=PAD)
+    codes = np.empty((n, d), np.uint8)
+    scales = np.empty(n, np.float32)
+    return Int8Codes(codes, scales, n, *_fill(rows, codes, scales))
 
 
 # -- the sidecar files ---------------------------------------------------------------------------------------------
@@ -142,7 +133,7 @@ def _cache_path(source: Path) -> Path:
 
 
 def _scales_offset(n: int, d: int) -> int:
-    return -(-padded(n) * d // _PAGE) * _PAGE
+    return -(-n * d // _PAGE) * _PAGE
 
 
 def write(rows, codes_path: Path, source_sha256: str) -> Int8Codes:
@@ -152,18 +143,17 @@ def write(rows, codes_path: Path, source_sha256: str) -> Int8Codes:
     from clip_mini.fileio.checksums import known_sha256
 
     n, d = rows.shape
-    offset, p = _scales_offset(n, d), padded(n)
+    offset = _scales_offset(n, d)
     with atomic_path(codes_path) as tmp:
         with open(tmp, "wb") as f:
-            f.truncate(offset + 4 * p)   # zero scales for the padding
+            f.truncate(offset + 4 * n)
         out = np.memmap(tmp, dtype=np.uint8, mode="r+")
-        codes = out[:d * p].reshape(d, p)
-        codes[:, n:] = ZERO
-        row_error, code_norm = _fill(rows, codes, out[offset:offset + 4 * p].view(np.float32))
+        codes = out[:n * d].reshape(n, d)
+        row_error, code_norm = _fill(rows, codes, out[offset:offset + 4 * n].view(np.float32))
         out.flush()
         del out, codes
     meta = {"format": FORMAT, "version": VERSION, "rows": n, "dim": d, "levels": LEVELS, "zero": ZERO,
-            "pad": PAD, "padded": p, "layout": "transposed", "scales_offset": offset, "row_error": row_error,
+            "layout": "rows", "scales_offset": offset, "row_error": row_error,
             "code_norm": code_norm,
             "source_sha256": source_sha256, "sha256": known_sha256(codes_path)}
     meta["meta_sha256"] = _digest(meta)
@@ -179,11 +169,11 @@ def _digest(meta: dict) -> str:
 
 
 def _open(codes_path: Path, meta: dict) -> Int8Codes:
-    n, d, p, offset = meta["rows"], meta["dim"], meta["padded"], meta["scales_offset"]
+    n, d, offset = meta["rows"], meta["dim"], meta["scales_offset"]
     with open(codes_path, "rb") as f:
         raw = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
-    return Int8Codes(raw[:d * p].reshape(d, p), raw[offset:offset + 4 * p].view(np.float32), n,
-                     float(meta["row_error"]), float(meta["code_norm"]), meta["pad"], codes_path, offset)
+    return Int8Codes(raw[:n * d].reshape(n, d), raw[offset:offset + 4 * n].view(np.float32), n,
+                     float(meta["row_error"]), float(meta["code_norm"]), codes_path, offset)
 
 
 def load(codes_path: Path, shape: tuple[int, int], source_sha256: str) -> Optional[Int8Codes]:
@@ -196,11 +186,10 @@ def load(codes_path: Path, shape: tuple[int, int], source_sha256: str) -> Option
         if not (isinstance(meta, dict) and meta.get("meta_sha256") == _digest(meta)
                 and meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("rows") == n
                 and meta.get("dim") == d and meta.get("levels") == LEVELS and meta.get("zero") == ZERO
-                and meta.get("pad") == PAD and meta.get("padded") == padded(n)
-                and meta.get("layout") == "transposed" and meta.get("scales_offset") == _scales_offset(n, d)
+                and meta.get("layout") == "rows" and meta.get("scales_offset") == _scales_offset(n, d)
                 and meta.get("source_sha256") == source_sha256):
             return None
-        if os.stat(codes_path).st_size != meta["scales_offset"] + 4 * padded(n):
+        if os.stat(codes_path).st_size != meta["scales_offset"] + 4 * n:
             return None
         if known_sha256(codes_path) != meta.get("sha256"):
             return None

@@ -25,22 +25,17 @@ FAISS_SCAN_MAX_QUERIES_NO_BF16 = 4
 FAISS_SCAN_MIN_ROWS = 50_000   # below this numpy takes a few ms, less than importing faiss
 ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
 # The int8 pass (``exact_int8``) where the rows' codes are at hand (``codes.ready``: a sidecar written with the
-# index, or made by an earlier search), on a CPU without AMX (where it was measured), from this many rows
-# (the sidecar's own threshold), for INT8_MIN_QUERIES..INT8_MAX_QUERIES queries, and while the packed copy of the
-# codes each process makes for it stays within INT8_MAX_BYTES.
-# 1M rows, 2-core EPYC without AVX-512 (benchmarks/speed/bench_search_many.py, and the same kernels at width 128 on
-# random rows, ms): width 128, 1 / 2 / 4 / 8 / 16 / 32 queries: int8 14.6 / 15.7 / 26.8 / 39.3 / 75 / 154,
-# faiss scan 13.2 / 24.0 / 52.5 / 90.9 / 182, onnxruntime 100 / 80 / 63 / 60 / 78 / 128; width 256 (clustered):
-# int8 33.6 / 36.2 / 59.0 / 101 / 207 / 393, faiss scan 21.4 / 41.6 / 79.0 / 153 / 353, onnxruntime 107 / 111 /
-# 112 / 113 / 158 / 221; onnxruntime's float32 pass is the faster from 16 queries. One query, measured again 15
-# times round-robin: int8 16.2 / faiss 16.3 (width 128), 38.2 / 38.4 (256): a tie, and the int8 pass is the pick
-# (bench_search_many's one query, width 256: int8 19.2, faiss 23.1). On the 2-core EPYC with AVX512-BF16 (no AMX),
-# width 256, torch loaded / not: 8 queries int8 67 / 77, onnxruntime 83 / 94, torch 152, faiss scan 117 / 131;
-# one query int8 18.8 / 24.9, faiss scan 23.0 / 20.9.
+# index, or made by an earlier search), on a CPU without AMX, from this many rows (the sidecar's own threshold),
+# from INT8_MIN_QUERIES queries where its product is u8 x s8 (VNNI; fewer: the faiss scan), and for
+# INT8_MIN_QUERIES_U8..INT8_MAX_QUERIES_U8 where it is u8 x u8. 1M x 256 rows on the 2-core EPYC with AVX512-BF16 and
+# VNNI (u8 x s8), ms, torch-free: 1 / 8 / 64 queries int8 40 / 63 / 164, onnxruntime 65 / 63 / 190, faiss scan
+# 17 / 102 / 891 (benchmarks/speed/bench_search_many.py records them with auto's pick). The u8 x u8 range is the
+# 2-core EPYC without AVX-512's, measured with the pass before this one (the codes as the product's constant
+# operand): the faster for 1-8 queries there, onnxruntime's float32 pass from 16.
 INT8_MIN_ROWS = codes.MIN_ROWS
-INT8_MIN_QUERIES = 1
-INT8_MAX_QUERIES = 8
-INT8_MAX_BYTES = 1 << 30
+INT8_MIN_QUERIES = FAISS_SCAN_MAX_QUERIES + 1
+INT8_MIN_QUERIES_U8 = 1
+INT8_MAX_QUERIES_U8 = 8
 # searches per kernel in this process (a server's /api/info shows them)
 searches: Counter = Counter()
 
@@ -76,7 +71,8 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
         return np.zeros((len(queries), 0), np.float32), np.zeros((len(queries), 0), np.int64)
     if kernel == "auto":
         sixteen_bit = isinstance(embeddings, BF16Rows) or embeddings.dtype == np.float16
-        kernel = auto_kernel(n, len(queries), sixteen_bit, int8=sixteen_bit and _int8_ready(embeddings))
+        int8 = sixteen_bit and _int8_ready(embeddings)
+        kernel = auto_kernel(n, len(queries), sixteen_bit, int8=int8, int8_signed=bool(exact_int8.signed(dim)))
     searches[kernel] += 1
     if kernel == "int8":
         return exact_int8.search(embeddings, queries, k)
@@ -90,24 +86,22 @@ def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int = 10, chunk
 
 
 def _int8_ready(embeddings) -> bool:
-    """Whether ``auto`` may use the int8 pass on these rows: enough of them, their codes at hand, not too many
-    for the packed copy, the product checked exact here (by ``prepare``, or an int8 search before: ``auto`` does
-    not stop to check it), and no session being built for them in the background."""
+    """Whether ``auto`` may use the int8 pass on these rows: enough of them, their codes at hand, and the product
+    checked exact here (by ``prepare``, or an int8 search before: ``auto`` does not stop to check it)."""
     n, dim = embeddings.shape
-    if not (n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_amx() and exact_int8.checked(dim)):
+    if not (n >= INT8_MIN_ROWS and not cpu_amx() and exact_int8.checked(dim)):
         return False
-    made = codes.for_rows(embeddings, make=False) if codes.ready(embeddings) else None
-    return made is not None and not exact_int8.busy(made)
+    return codes.ready(embeddings)
 
 
 def prepare(embeddings) -> bool:
     """Ready what ``auto`` will search these rows with, so that a server's first queries do not wait for it: the
     int8 codes of 16-bit rows ``auto`` would search with them (their sidecar: opened, or made once if the rows have
-    none, ``codes.for_rows``) and, on a thread of its own, the check of the int8 product and the kernel's session
-    (``auto`` uses the other kernels until they are ready). Returns whether the int8 codes are at hand."""
+    none, ``codes.for_rows``) and, on a thread of its own, the check of the int8 product (``auto`` uses the other
+    kernels until it is done). Returns whether the int8 codes are at hand."""
     sixteen_bit = isinstance(embeddings, BF16Rows) or getattr(embeddings, "dtype", None) == np.float16
     n, dim = embeddings.shape
-    if not (sixteen_bit and n >= INT8_MIN_ROWS and n * dim <= INT8_MAX_BYTES and not cpu_amx()
+    if not (sixteen_bit and n >= INT8_MIN_ROWS and not cpu_amx()
             and dim <= exact_int8.MAX_DIM and exact_ort.ort_available()):
         return False
     try:
@@ -119,7 +113,7 @@ def prepare(embeddings) -> bool:
     return made is not None
 
 
-def auto_kernel(n: int, n_queries: int, sixteen_bit: bool, int8: bool = False) -> str:
+def auto_kernel(n: int, n_queries: int, sixteen_bit: bool, int8: bool = False, int8_signed: bool = True) -> str:
     """The exact-search kernel ``auto`` picks for ``n`` rows and ``n_queries`` queries (see the package docstring):
     the faiss scan for a few queries over float16 / bfloat16 rows (torch loaded or not); for more, on a CPU with
     AMX, torch's bf16 matrix products when torch is already imported (importing it costs seconds), else
@@ -128,12 +122,14 @@ def auto_kernel(n: int, n_queries: int, sixteen_bit: bool, int8: bool = False) -
     is the faster one there: on the AVX512-BF16 EPYC, 64 queries over 1M x 256 rows, 211 ms against torch's bf16
     292 ms); numpy for small or float32 matrices. The int8 pass before all of them where the rows' int8 codes are
     at hand (``int8``), on a CPU without AMX, for the query counts where it is measured the faster
-    (``INT8_MIN_QUERIES``..``INT8_MAX_QUERIES``)."""
+    (from ``INT8_MIN_QUERIES`` for the u8 x s8 product, ``int8_signed``; ``INT8_MIN_QUERIES_U8`` to
+    ``INT8_MAX_QUERIES_U8`` for the u8 x u8 one)."""
     if not sixteen_bit:
         return "numpy"
     ort = n >= ORT_MIN_ROWS and exact_ort.ort_available()
-    if (int8 and ort and n >= INT8_MIN_ROWS and not cpu_amx()
-            and INT8_MIN_QUERIES <= n_queries <= INT8_MAX_QUERIES):
+    queries = (n_queries >= INT8_MIN_QUERIES if int8_signed
+               else INT8_MIN_QUERIES_U8 <= n_queries <= INT8_MAX_QUERIES_U8)
+    if int8 and ort and n >= INT8_MIN_ROWS and not cpu_amx() and queries:
         return "int8"
     torch = "torch" in sys.modules and n >= TORCH_MIN_ROWS and (cpu_amx() or not ort)
     few = (FAISS_SCAN_MAX_QUERIES if torch else FAISS_SCAN_MAX_QUERIES_NO_TORCH if cpu_native_bf16()

@@ -2,49 +2,47 @@
 memory-mapped beside them), exact re-scoring of a short list from the stored rows.
 
 Each query is scaled so that its largest component is 127 (a positive factor per query: the ranking of the rows is
-the same), rounded to 8-bit codes, and multiplied by every row's codes at once: onnxruntime's
-``MatMulIntegerToFloat`` over the codes as a constant operand, which onnxruntime reads from the sidecar file
-itself (external data: nothing is copied through Python), times each row's scale. The query is unsigned bytes with
-zero point 128; the codes enter as signed bytes (the stored bytes xor 128, folded once when the session is made),
-MLAS's u8 x s8 kernel, which is VNNI's instruction where the CPU has it (1M x 256 codes, 8 / 64 queries on the
-AVX512-BF16 EPYC: 64 / 192 ms, against 85 / 512 ms for u8 x u8). Without VNNI that kernel's int16 pair sums can
-saturate, so ``works`` takes it only where ``_check_product`` proves it exact on this machine, and otherwise the
-stored unsigned bytes with zero point 128, MLAS's u8 x u8 kernel, which widens to 16 bits before multiplying (no
-pair sums to saturate), proved exact the same way before the kernel's first use. The integer product is exact in int32 and in float32 (below 2^24 for
-widths up to 1,040), then scaled once.
+the same) and rounded to 8-bit codes. The rows' codes are multiplied by the queries' chunk by chunk (``groups``:
+one worker thread per core, each running its chunks through a one-thread session): onnxruntime's ``MatMulInteger``
+with a chunk of the codes as the left-hand operand, read straight from the memory map (unsigned bytes, zero point
+128: nothing copied, nothing packed per process, so ``clip-mini serve --workers N`` share the codes through the page
+cache), the queries' codes as the right-hand one (packed per call: a few kilobytes), then each row's scale. The
+queries enter as signed bytes, MLAS's u8 x s8 kernel, which is VNNI's instruction where the CPU has it; without VNNI
+that kernel's int16 pair sums can saturate, so ``works`` takes it only where ``_check_product`` proves it exact on
+this machine, and otherwise the queries as unsigned bytes with zero point 128, MLAS's u8 x u8 kernel, which widens
+to 16 bits before multiplying (no pair sums to saturate), proved exact the same way before the kernel's first use.
+The integer product is exact in int32 and in float32 (below 2^24 for widths up to 1,040), then scaled once.
 
-Of the (queries x rows) approximate scores only the maxima of groups of 16 rows (``groups``' layout, chunks of
-``codes.PAD`` rows) are looked at: the short list is every group within the query's margin (``bounds``
-``.quantized_margin``: Cauchy-Schwarz on the rows' quantization error, from the largest residual norm stored with the
-codes, and the query's own, plus the float32 rounding) of the approximate K-th best group maximum
-(``groups.candidates``), re-scored exactly (``shortlist.rescore``): the float32 top-K of the rows as stored, ties by
-row id, as every kernel gives it.
-
-onnxruntime packs the constant codes for its kernel once per session: a private copy the size of the codes in
-each process (``clip-mini serve --workers 2``: two), what makes the pass fast (the same product over codes bound
-per call, packed on every call, measured no faster than the float32 pass; 1M x 128 codes, 8 queries: 13 ms
-against 27 ms for the product alone). One session is kept per open codes (``codes.for_rows`` keeps the latest
-few), built in about a second per million rows of width 128. Where it is the faster: ``dispatch.INT8_MIN_QUERIES``.
+Of the (rows x queries) approximate scores of a chunk, the maxima of groups of 16 rows are taken in the cache
+(``groups``' strided layout), and only the rows of groups that reach the query's running threshold are looked at
+(``_rows_pass``): those reaching it are kept. The short list is every kept row within the query's margin
+(``bounds.quantized_margin``: Cauchy-Schwarz on the rows' quantization error, from the largest residual norm stored
+with the codes, and the query's own, plus the float32 rounding) of its approximate K-th best, re-scored exactly
+(``shortlist.rescore``): the float32 top-K of the rows as stored, ties by row id, as every kernel gives it. Where
+it is the faster: ``dispatch.INT8_MIN_QUERIES``.
 """
 from __future__ import annotations
 
 import threading
-import weakref
 
 import numpy as np
 
 from clip_mini.retrieval.search import bounds, codes as C, groups, shortlist
 
-QUERY_LEVELS = 127      # 8-bit query codes (u8 x u8: no saturation, see the module docstring)
+QUERY_LEVELS = 127      # 8-bit query codes
 MAX_DIM = 2048          # wider rows: the integer products pass 2^24 by too much (one rounding more below this)
-MAX_SCORE_BYTES = 64 << 20   # approximate scores held at once (queries x padded rows float32): more in blocks
-_sessions: "weakref.WeakKeyDictionary[C.Int8Codes, object]" = weakref.WeakKeyDictionary()
-_session_lock = threading.Lock()
+# rows per product call: CHUNK_BYTES of (rows x queries) float32 scores, which stay in the L2 cache until the group
+# maxima are taken, within CHUNK..MAX_CHUNK rows (1M x 256 codes, AVX512-BF16 EPYC: 64 queries fastest at 4,096,
+# one to 16 at 16,384 or more: fewer calls)
+CHUNK_BYTES = 1 << 20
+CHUNK = 4096
+MAX_CHUNK = 32768
+MAX_QUERIES = 256   # queries per pass (more: in blocks, each a pass over the codes)
+_sessions: dict[bool, object] = {}   # signed -> the one-thread session (shared by the worker threads)
+_session_lock = threading.Lock()   # the product checks
 _build_lock = threading.Lock()
-_building: "weakref.WeakSet[C.Int8Codes]" = weakref.WeakSet()   # sessions being built in the background
 _checked: dict[int, bool] = {}   # width -> whether the product checked exact
-_signed: dict[int, bool] = {}    # width -> whether that product is the u8 x s8 one (``_build``'s ``signed``)
-_local = threading.local()       # each thread's buffer of approximate scores
+_signed: dict[int, bool] = {}    # width -> whether that product is the u8 x s8 one (``_session``'s ``signed``)
 
 
 def normalized(queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,21 +71,27 @@ def checked(dim: int) -> bool | None:
     return _checked.get(dim)
 
 
+def signed(dim: int) -> bool | None:
+    """Whether the checked product for this width is the u8 x s8 one (VNNI's); None until ``works`` has run."""
+    return _signed.get(dim) if _checked.get(dim) else None
+
+
 def works(dim: int) -> bool:
     """Whether the kernel runs exactly here for rows of width ``dim``: onnxruntime has the product and its integer
-    product is exact (``_check_product``, once per width)."""
+    product is exact (``_check_product``, once per width; a few milliseconds)."""
     if dim > MAX_DIM:
         return False
     with _session_lock:
         if dim not in _checked:
-            _checked[dim] = False
+            exact = False   # ``checked`` says None until the check is done
             for signed in (True, False):   # u8 x s8 first: VNNI's product, where it is exact
                 try:
-                    _check_product(lambda codes, scales: _build(codes, scales, None, 1, signed), dim)
-                except Exception:   # no onnxruntime, no MatMulIntegerToFloat in this build, or an inexact product
+                    _check_product(lambda A, Q, S, out: _product(signed, Q)(A, S, out), dim)
+                except Exception:   # no onnxruntime, no MatMulInteger in this build, or an inexact product
                     continue
-                _checked[dim], _signed[dim] = True, signed
+                exact, _signed[dim] = True, signed
                 break
+            _checked[dim] = exact
         return _checked[dim]
 
 
@@ -112,169 +116,184 @@ def search(embeddings, queries: np.ndarray, k: int, codes: C.Int8Codes | None = 
     codes = C.for_rows(embeddings) if codes is None else codes
     if codes.shape != (n, dim):
         raise ValueError(f"int8 codes of shape {codes.shape} do not belong to rows of shape {embeddings.shape}")
-    step = max(1, MAX_SCORE_BYTES // (4 * codes.codes.shape[1]))
+    if groups.usable(n, k):
+        parts = [_rows_pass(embeddings, codes, queries[b:b + MAX_QUERIES], k)
+                 for b in range(0, len(queries), MAX_QUERIES)]
+        return np.concatenate([s for s, _ in parts]), np.concatenate([i for _, i in parts])
     margin = lambda q: margins(q, codes)   # noqa: E731
-    parts = []
-    for b in range(0, len(queries), step):
-        q = queries[b:b + step]
-        if groups.usable(n, k):
-            parts.append(_grouped(embeddings, codes, q, k))
-        else:   # few rows, or k past the group pass's: every row's approximate score, short-listed per query
-            parts.append(shortlist.floor_and_rescore(embeddings, q, k, lambda qq: [(0, scores(codes, qq)[:, :n])],
-                                                     margin))
-    return np.concatenate([s for s, _ in parts]), np.concatenate([i for _, i in parts])
+    # few rows, or k past the group pass's: every row's approximate score, short-listed per query
+    return shortlist.floor_and_rescore(embeddings, queries, k, lambda q: [(0, np.ascontiguousarray(scores(codes, q).T))],
+                                       margin)
 
 
-def _grouped(embeddings, codes: C.Int8Codes, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The group maxima of the approximate scores (``groups``' layout: chunk ``c`` of ``codes.pad`` rows, group
-    ``j`` its rows ``j + t pad/16``), the groups near the K-th best, their rows re-scored."""
-    y = scores(codes, queries)
-    m, p, pad = len(queries), y.shape[1], codes.pad
-    per, supers = pad // groups.GROUP, pad // groups.BLOCK
-    gmax = np.empty((m, p // pad, per), np.float32)
-    blocks = y.reshape(m, p // pad, groups.GROUP, per)
-    halves = [slice(0, (m + 1) // 2), slice((m + 1) // 2, m)] if m > 1 and groups.cores() > 1 else [slice(0, m)]
-    if len(halves) == 1:
-        np.max(blocks, axis=2, out=gmax)
-    else:   # the queries' maxima on two threads (numpy lets go of the GIL): a pass over all the scores
+def _rows_pass(embeddings, codes: C.Int8Codes, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pass over every chunk of ``CHUNK`` rows (one worker thread per core, each taking the next chunk): the
+    chunk's (rows, queries) approximate scores, the maxima of its groups of 16 rows (``groups``' strided layout),
+    and out of the groups that reach the query's running threshold, the rows that reach it, kept with their
+    approximate scores. The threshold is the best lower bound on the query's final floor seen so far: a chunk's
+    K-th best group maximum is reached by K distinct rows, so the K-th best approximate score is at least that,
+    and the floor (the K-th best less the query's margin) at least that less the margin. At the end, each query's
+    floor from the rows kept (the K-th best approximate scores are all among them), the rows above it re-scored
+    exactly. Only rows individually near the K-th best are re-scored, not whole groups."""
+    n, nq = len(embeddings), len(queries)
+    margin = margins(queries, codes).astype(np.float32)
+    chunk = min(MAX_CHUNK, max(CHUNK, CHUNK_BYTES // (4 * nq))) // groups.GROUP * groups.GROUP
+    chunks = -(-n // chunk)
+    best = np.full((k, nq), -np.inf, np.float32)   # each query's K best group maxima so far (all workers')
+    thr = np.full(nq, -np.inf, np.float32)         # the smallest of them less the margin: a floor's lower bound
+    todo = iter(range(chunks))
+    lock = threading.Lock()
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def work() -> None:
+        score = scorer(codes, queries, chunk)
+        block = np.empty((chunk, nq), np.float32)
+        mine = []
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                break
+            start = i * chunk
+            c = min(chunk, n - start)
+            cp = -(-c // groups.GROUP) * groups.GROUP
+            score(start, start + c, block[:c])
+            block[c:cp] = -np.inf
+            per = cp // groups.GROUP
+            gmax = np.max(block[:cp].reshape(groups.GROUP, per, nq), axis=0)   # (per, nq): group j, rows j + t per
+            if per >= k:   # the K best group maxima so far, of distinct groups: K rows reach the smallest
+                top = np.partition(gmax, per - k, axis=0)[per - k:]
+                with lock:
+                    merged = np.partition(np.concatenate([best, top]), k, axis=0)
+                    best[:] = merged[k:]
+                    np.maximum(thr, merged[k] - margin, out=thr)
+            gj, qj = np.nonzero(gmax >= thr)
+            if len(gj):
+                rows = gj[:, None] + np.arange(groups.GROUP) * per                   # (pairs, 16) in the chunk
+                vals = block[rows, qj[:, None]]
+                keep = (vals >= thr[qj][:, None]) & (rows < c)
+                mine.append((np.broadcast_to(qj[:, None], rows.shape)[keep], rows[keep] + start, vals[keep]))
+        with lock:
+            found.extend(mine)
+
+    workers = max(1, min(groups.cores(), chunks))
+    if workers == 1:
+        work()
+    else:
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda h: np.max(blocks[h], axis=2, out=gmax[h]), halves))
-    smax = gmax.reshape(m, p // pad, groups.SUPER, supers).max(axis=2)    # (m, chunks, supers)
-    cq, ci = groups.candidates(np.ascontiguousarray(gmax.reshape(m, -1).T),
-                               np.ascontiguousarray(smax.reshape(m, -1).T), k,
-                               margins(queries, codes).astype(np.float32), pad, codes.rows)
-    return shortlist.rescore(embeddings, queries, cq, ci, k)
+        with ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(work) for _ in range(workers)]:
+                f.result()
+    fq = np.concatenate([f[0] for f in found]).astype(np.int64)
+    fr = np.concatenate([f[1] for f in found]).astype(np.int64)
+    fs = np.concatenate([f[2] for f in found])
+    order = np.argsort(fq, kind="stable")
+    fq, fr, fs = fq[order], fr[order], fs[order]
+    bounds = np.searchsorted(fq, np.arange(nq + 1))
+    floor = np.empty(nq, np.float32)
+    for j in range(nq):   # every query keeps its K best approximate scores at least (n >= k rows)
+        v = fs[bounds[j]:bounds[j + 1]]
+        floor[j] = np.partition(v, len(v) - k)[len(v) - k] - margin[j]
+    keep = fs >= floor[fq]
+    return shortlist.rescore(embeddings, queries, fq[keep], fr[keep], k)
+
+
+def scorer(codes: C.Int8Codes, queries: np.ndarray, rows: int) -> groups.Score:
+    """A ``groups.Score``: the (stop - start, Q) float32 approximate scores of rows start..stop, each query scaled
+    as ``normalized`` (so its ``margins`` apply), written straight into the caller's block (chunks of up to
+    ``rows`` rows)."""
+    if not works(codes.shape[1]):
+        raise ValueError("the int8 exact-search kernel does not run here (onnxruntime's int8 product is missing or "
+                         "not exact on this machine)")
+    run = _product(_signed[codes.shape[1]], normalized(queries)[1].T)
+
+    def score(start: int, stop: int, out: np.ndarray) -> None:
+        run(codes.codes[start:stop], codes.scales[start:stop], out)
+
+    return score
 
 
 def scores(codes: C.Int8Codes, queries: np.ndarray) -> np.ndarray:
-    """(Q, P) float32 approximate scores of every (padded) row, each query scaled as ``normalized`` (so its
-    ``margins`` apply), padding -inf; a view of this thread's buffer, valid until its next call."""
-    sess = _session(codes)
-    _, qc = normalized(queries)
-    m, p = len(queries), codes.codes.shape[1]
-    buf = getattr(_local, "scores", None)
-    if buf is None or buf.size < m * p:
-        _local.scores = buf = np.empty(m * p, np.float32)
-    out = buf[:m * p].reshape(m, p)
-    io = sess.io_binding()
-    io.bind_cpu_input("A", (qc + C.ZERO).astype(np.uint8))
-    io.bind_output("Y", "cpu", 0, np.float32, [m, p], out.ctypes.data)
-    sess.run_with_iobinding(io)
-    out[:, codes.rows:] = -np.inf
+    """(N, Q) float32 approximate scores of every row, each query scaled as ``normalized``."""
+    out = np.empty((codes.rows, len(queries)), np.float32)
+    scorer(codes, queries, len(out))(0, len(out), out)
     return out
 
 
 def prepare(codes: C.Int8Codes, background: bool = False) -> None:
-    """Check the product (``works``) and build the session for ``codes`` now (about a second per million rows of
-    width 128: reading and packing the codes), not at the first search; ``background``: on a thread of its own,
-    while ``busy`` says so."""
-    if not background:
-        if works(codes.shape[1]):
-            _session(codes)
-        return
-    with _session_lock:
-        if codes in _sessions or codes in _building:
-            return
-        _building.add(codes)
-
-    def build() -> None:
-        try:
-            if works(codes.shape[1]):
-                _session(codes)
-        except Exception:   # the search that needs it builds it again, and reports the error
-            pass
-        finally:
-            with _session_lock:
-                _building.discard(codes)
-
-    threading.Thread(target=build, name="clip-mini-int8-session", daemon=True).start()
-
-
-def busy(codes: C.Int8Codes) -> bool:
-    """Whether the session for ``codes`` is being built in the background (``prepare``): a search now would wait."""
-    return codes in _building
-
-
-def _session(codes: C.Int8Codes):
-    """The session multiplying queries by ``codes`` (built once per codes object, kept while it lives). Built
-    outside the lock: a search of other codes does not wait for it."""
-    with _session_lock:
-        sess = _sessions.get(codes)
-    if sess is None:
-        with _build_lock:   # one build at a time (each reads and packs all the codes)
-            with _session_lock:
-                sess = _sessions.get(codes)
-            if sess is None:
-                sess = _build(codes.codes, codes.scales, codes, groups.cores(), _signed.get(codes.shape[1], False))
-                with _session_lock:
-                    _sessions[codes] = sess
-    return sess
-
-
-def _build(matrix: np.ndarray, scales: np.ndarray, codes: C.Int8Codes | None, threads: int, signed: bool = False):
-    """A session computing ``Y = (A - 128) @ (matrix - 128) * scales`` for 8-bit query codes A (Q, d): the
-    codes (d, P) and scales (P,) a constant operand, read from the sidecar file where ``codes`` has one (external
-    data: nothing copied through Python), else embedded. ``signed``: the codes enter the product as int8 (the
-    stored bytes xor 128, folded into a constant once, when the session is made), so onnxruntime runs its u8 x s8
-    kernel: VNNI's instruction where the CPU has it, exact there, twice as fast as u8 x u8 or more; ``works``
-    takes it only where ``_check_product`` finds it exact (AVX2's u8 x s8 instruction saturates)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    d, p = matrix.shape
-    external = codes is not None and codes.path is not None
-    if external:
-        consts = [_external("B", TensorProto.UINT8, [d, p], codes.path.name, 0, d * p),
-                  _external("S", TensorProto.FLOAT, [p], codes.path.name, codes.scales_offset, 4 * p)]
+    """Check the product for the codes' width (``works``) now, not at the first search; ``background``: on a
+    thread of its own (``checked`` says when it is done)."""
+    if background:
+        threading.Thread(target=works, args=(codes.shape[1],), name="clip-mini-int8-check", daemon=True).start()
     else:
-        consts = [numpy_helper.from_array(np.ascontiguousarray(matrix, np.uint8), "B"),
-                  numpy_helper.from_array(np.ascontiguousarray(scales, np.float32), "S")]
-    nodes, zero_b = [], "zero"
-    if signed:   # B -> int8(B xor 128) = the codes themselves; constant inputs: folded when the session is made
-        consts[0].name = "B_stored"
-        consts.append(numpy_helper.from_array(np.array(np.int8(0)), "zero_s8"))
-        nodes += [helper.make_node("BitwiseXor", ["B_stored", "zero"], ["B_flipped"]),
-                  helper.make_node("Cast", ["B_flipped"], ["B"], to=TensorProto.INT8)]
-        zero_b = "zero_s8"
-    nodes.append(helper.make_node("MatMulIntegerToFloat", ["A", "B", "one", "S", "zero", zero_b], ["Y"],
-                                  domain="com.microsoft"))
+        works(codes.shape[1])
+
+
+def _product(signed: bool, Q: np.ndarray):
+    """``run(A, S, out)``: writes (A - 128) @ Q * S[:, None] into ``out`` (c, m) float32 for a chunk A (c, d) of
+    stored codes (uint8, code + 128) and its scales S (c,), through ``_session(signed)``; ``Q`` (d, m): the query
+    codes, integers in -127..127, bound once."""
+    sess = _session(signed)
+    io = sess.io_binding()
+    b = np.ascontiguousarray(Q if signed else Q + C.ZERO, np.int8 if signed else np.uint8)
+    m = b.shape[1]
+    io.bind_cpu_input("B", b)
+
+    def run(A: np.ndarray, S: np.ndarray, out: np.ndarray, _keep=b) -> None:
+        c = len(A)
+        if c == 0 or m == 0:
+            return
+        io.bind_cpu_input("A", np.ascontiguousarray(A, np.uint8))
+        io.bind_cpu_input("S", np.ascontiguousarray(S, np.float32).reshape(c, 1))
+        io.bind_output("Y", "cpu", 0, np.float32, [c, m], out.ctypes.data)
+        sess.run_with_iobinding(io)
+
+    return run
+
+
+def _session(signed: bool):
+    """The session computing ``Y = (A - 128) @ (B - zb) * S`` for a chunk A (c, d) of stored codes, query codes B
+    (d, m) and the chunk's scales S (c, 1): ``signed``: B int8 (zero point 0), onnxruntime's u8 x s8 kernel, VNNI's
+    instruction where the CPU has it (``works`` takes it only where ``_check_product`` finds it exact: AVX2's u8 x
+    s8 instruction saturates); else B the codes + 128 as uint8 (zero point 128), the u8 x u8 kernel. One thread
+    (``groups`` runs one caller per core); graph optimisations off, so the three nodes run as written."""
+    with _build_lock:
+        if signed not in _sessions:
+            _sessions[signed] = _build(signed)
+        return _sessions[signed]
+
+
+def _build(signed: bool):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    bt = TensorProto.INT8 if signed else TensorProto.UINT8
     graph = helper.make_graph(
-        nodes, "int8_scores", [helper.make_tensor_value_info("A", TensorProto.UINT8, ["m", d])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", p])],
-        initializer=consts + [numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-                              numpy_helper.from_array(np.array(C.ZERO, np.uint8), "zero")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+        [helper.make_node("MatMulInteger", ["A", "B", "zero_a", "zero_b"], ["I"]),
+         helper.make_node("Cast", ["I"], ["F"], to=TensorProto.FLOAT),
+         helper.make_node("Mul", ["F", "S"], ["Y"])],
+        "int8_scores",
+        [helper.make_tensor_value_info("A", TensorProto.UINT8, ["c", "d"]),
+         helper.make_tensor_value_info("B", bt, ["d", "m"]),
+         helper.make_tensor_value_info("S", TensorProto.FLOAT, ["c", 1])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["c", "m"])],
+        initializer=[helper.make_tensor("zero_a", TensorProto.UINT8, [], [C.ZERO]),
+                     helper.make_tensor("zero_b", bt, [], [0 if signed else C.ZERO])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    # worker threads that spin between calls take the cores the rest of the search (and a server) needs
+    so.intra_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if external:
-        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(codes.path.parent))
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _external(name: str, dtype: int, dims: list[int], location: str, offset: int, length: int):
-    from onnx import TensorProto
-
-    t = TensorProto()
-    t.name, t.data_type, t.data_location = name, dtype, TensorProto.EXTERNAL
-    t.dims.extend(dims)
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = t.external_data.add()
-        entry.key, entry.value = key, value
-    return t
-
-
-def _check_product(make, dim: int) -> None:
+def _check_product(run, dim: int) -> None:
     """Refuse a machine where the product is not exact over the codes' whole range: rows and queries at the
-    extremes (every pair 127 x 127 of either sign, alternating, random), for numbers of queries and of rows
-    that take the kernel's different register tiles and edges. ``make(codes (d, P) uint8, scales (P,))`` returns a
-    session (``_build``).
+    extremes (every pair 127 x 127 of either sign, alternating, random), for numbers of rows and of queries that
+    take the kernel's different register tiles and edges. ``run(A, Q, S, out)``: ``_product(signed, Q)(A, S, out)``.
 
     Raises:
         RuntimeError: the product differs from numpy's exact one.
@@ -282,12 +301,13 @@ def _check_product(make, dim: int) -> None:
     rng = np.random.default_rng(0)
     alt = np.where(np.arange(dim) % 2, 255, 1)
     cols = [np.full(dim, 255), np.full(dim, 1), alt, 256 - alt, rng.integers(1, 256, dim)]
-    matrix = np.array([cols[i % len(cols)] for i in range(67)], np.uint8).T          # (d, 67)
-    sess = make(np.ascontiguousarray(matrix), np.ones(matrix.shape[1], np.float32))
+    A = np.array([cols[i % len(cols)] for i in range(67)], np.uint8)              # (67, d) stored codes
     for m in (1, 2, 3, 4, 7, 8, 16, 33, 64):
-        A = np.array([cols[(j + 2) % len(cols)] for j in range(m)], np.uint8)
-        got = sess.run(["Y"], {"A": A})[0]
-        want = (A.astype(np.int64) - C.ZERO) @ (matrix.astype(np.int64) - C.ZERO)   # exact, then one rounding
-        if not np.array_equal(got, want.astype(np.float32)):
-            raise RuntimeError(f"onnxruntime's int8 product is not exact here (width {dim}, {m} queries): the "
-                               "int8 exact-search kernel cannot run")
+        Q = np.array([cols[(j + 2) % len(cols)] for j in range(m)], np.int64).T - C.ZERO   # (d, m) in -127..127
+        for c in (1, 5, 67):
+            got = np.empty((c, m), np.float32)
+            run(A[:c], Q, np.ones(c, np.float32), got)
+            want = (A[:c].astype(np.int64) - C.ZERO) @ Q   # exact, then one rounding
+            if not np.array_equal(got, want.astype(np.float32)):
+                raise RuntimeError(f"onnxruntime's int8 product is not exact here (width {dim}, {m} queries): the "
+                                   "int8 exact-search kernel cannot run")
