@@ -597,9 +597,9 @@ def run_1m(args, tmp: Path, model: Path, image: Path) -> dict:
             port = int(url.rsplit(":", 1)[1])
             # the generation this server opened (the swap below publishes the next one)
             emb_name = f"embeddings-{timings['generation']}.npy"
-            # the int8 codes beside the rows (``search.codes``): where the int8 pass serves, each worker packs its own
-            # copy of them for onnxruntime's product when it opens the generation (private memory, the codes' size)
-            # and reads the rows only where it re-scores; else every search reads all the rows
+            # the int8 codes beside the rows (``search.codes``): where the int8 pass serves, the workers read them in
+            # place (one copy in the page cache) and read the rows only where they re-score; else every search reads
+            # all the rows
             codes_name = emb_name.replace(".npy", ".int8")
             codes_mb = (index / codes_name).stat().st_size / 2 ** 20 if (index / codes_name).exists() else None
             wait_attention(url)
