@@ -434,6 +434,23 @@ SEARCH = [
      "{torch_loaded.q64.faiss.p50_ms:.0f} / {torch_loaded.q64.torch.p50_ms:.0f} ms (`auto` picks "
      "{torch_loaded.q64.kernel}: {torch_loaded.q64.picked_vs_fastest:.2f}x the fastest)",
      "python benchmarks/speed/bench_search_many.py"),
+    ("1M float16 rows, 64 queries, `auto` torch-free / torch loaded (target on a CPU with native bf16: 100 ms), x the "
+     "fp32 compute floor", "speed/search_many_avx512_bf16.json",
+     "{torch_free.q64.auto.p50_ms:.0f} ms ({torch_free.q64.auto.x_floor:.2f}x, {torch_free.q64.kernel}) / "
+     "{torch_loaded.q64.auto.p50_ms:.0f} ms ({torch_loaded.q64.auto.x_floor:.2f}x, {torch_loaded.q64.kernel}); "
+     "floor {floor_ms.q64:.0f} ms at {fp32_peak_gflops.best:.0f} GFLOP/s (load average "
+     "{machine.load_average_1min_at_start:.1f})",
+     "python benchmarks/speed/bench_search_many.py --repeats 9"),
+    ("same, 1 / 8 queries, `auto` torch-free: time (kernel); x the compute floor at 8",
+     "speed/search_many_avx512_bf16.json", "{torch_free.q1.auto.p50_ms:.1f} ms ({torch_free.q1.kernel}) / "
+     "{torch_free.q8.auto.p50_ms:.0f} ms ({torch_free.q8.kernel}); {torch_free.q8.auto.x_floor:.2f}x",
+     "python benchmarks/speed/bench_search_many.py --repeats 9"),
+    ("same, 64 queries, each kernel forced, torch loaded: int8 / onnxruntime / faiss scan / torch",
+     "speed/search_many_avx512_bf16.json", "{torch_loaded.q64.int8.p50_ms:.0f} / "
+     "{torch_loaded.q64.onnxruntime.p50_ms:.0f} / {torch_loaded.q64.faiss.p50_ms:.0f} / "
+     "{torch_loaded.q64.torch.p50_ms:.0f} ms (`auto` picks {torch_loaded.q64.kernel}: "
+     "{torch_loaded.q64.picked_vs_fastest:.2f}x the fastest)",
+     "python benchmarks/speed/bench_search_many.py --repeats 9"),
     ("1M float16 rows, 1 query, torch-free, end to end (text encoded): 1 term / 3 terms (`a + b - c`)",
      "speed/search_filters.json", "{one_term.p50_ms:.1f} / {three_terms.p50_ms:.1f} ms (the scan alone "
      "{search_only.p50_ms:.1f} ms, kernel {auto_kernel_unfiltered})",

@@ -12,7 +12,8 @@ as ``EmbeddingIndex`` stores them; queries are random unit vectors. For each que
   torch.mm in the torch one; measured again between the timed rounds, so a busy moment lowers no figure).
 * ``torch_free`` (a fresh process that never imports torch, as a ``clip-mini search`` runs) and ``torch_loaded``
   (a server, a notebook): ``auto`` and each kernel forced (numpy, onnxruntime, faiss's scan, int8, torch where loaded),
-  timed round-robin (one call of each per round, so a change of load hits every arm alike): p50 / p95 of
+  timed round-robin (one call of each per round, in an order rotated each round, so a change of load hits every
+  arm alike): p50 / p95 of
   ``repeats`` rounds after a warm-up, ``x_floor`` (p50 over the floor), whether the ids equal the numpy kernel's
   (every kernel's rule: the float32 top-K of the rows as stored, ties by row id) and ``recall_at_10_by_score``
   against float32 brute force. ``kernel``: what ``auto`` chose; ``fastest_forced``; ``picked_vs_fastest`` (the
@@ -111,8 +112,10 @@ def arms(path: str, queries: list[int], repeats: int, torch_loaded: bool) -> dic
             s, i = exact_search(emb, q, K, kernel=name)
             checks[name] = {"same_ids_as_numpy": bool((i == ref_ids).all()),
                             "recall_at_10_by_score": recall_by_scores(s, ref)}
-        for _ in range(repeats):
-            for name in names:
+        for r in range(repeats):
+            # the arms in a rotated order each round: the first after the peak's product shares the cores with the
+            # BLAS threads still spinning from it, and no arm is that one every round
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 t = time.perf_counter()
                 exact_search(emb, q, K, kernel=name)
                 times[name].append(time.perf_counter() - t)
