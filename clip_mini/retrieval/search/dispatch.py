@@ -28,8 +28,8 @@ ORT_MIN_ROWS = 50_000          # likewise for building the onnxruntime session
 # index, or made by an earlier search), on a CPU without AMX, from this many rows (the sidecar's own threshold),
 # from INT8_MIN_QUERIES queries where its product is u8 x s8 (VNNI; fewer: the faiss scan), and for
 # INT8_MIN_QUERIES_U8..INT8_MAX_QUERIES_U8 where it is u8 x u8. 1M x 256 rows on the 2-core EPYC with AVX512-BF16 and
-# VNNI (u8 x s8), ms, torch-free: 1 / 8 / 64 queries int8 40 / 63 / 164, onnxruntime 65 / 63 / 190, faiss scan
-# 17 / 102 / 891 (benchmarks/speed/bench_search_many.py records them with auto's pick). The u8 x u8 range is the
+# VNNI (u8 x s8), ms, torch-free, each kernel forced: 1 / 8 / 64 queries int8 40 / 57 / 151, onnxruntime 101 / 92 /
+# 219, faiss scan 20 / 130 / 803 (benchmarks/speed/bench_search_many.py, with auto's pick). The u8 x u8 range is the
 # 2-core EPYC without AVX-512's, measured with the pass before this one (the codes as the product's constant
 # operand): the faster for 1-8 queries there, onnxruntime's float32 pass from 16.
 INT8_MIN_ROWS = codes.MIN_ROWS
