@@ -70,9 +70,11 @@ def test_score_counts_hits_per_method_and_the_chance_with_fixed_maps():
     gradcam = {"a red circle": (5, 1), "a blue star": (5, 6), "a green square": (5, 9)}   # hit, hit, miss
     relevance = {"a red circle": (5, 1), "a blue star": (5, 6), "a green square": (5, 2)}  # hit, hit, hit
     tokens = {"a red circle": (5, 6), "a blue star": (5, 1), "a green square": (5, 9)}    # miss, miss, miss
+    occlusion = {"a red circle": (5, 1), "a blue star": (5, 1), "a green square": (5, 2)}  # hit, miss, hit
 
     def explain(path, query, method):
-        return _peak({"gradcam": gradcam, "relevance": relevance, "tokens": tokens}[method][query])
+        return _peak({"gradcam": gradcam, "relevance": relevance, "tokens": tokens,
+                      "occlusion": occlusion}[method][query])
 
     calls = []
 
@@ -83,11 +85,11 @@ def test_score_counts_hits_per_method_and_the_chance_with_fixed_maps():
     res = ep.score(items, explain, attention)
     assert calls == ["a.png", "b.png"]                                # once per image
     assert res["queries"] == 3 and res["unavailable"] == {}
-    assert res["accuracy"] == {"gradcam": 2 / 3, "relevance": 1.0, "tokens": 0.0, "cls_attention_mean": 2 / 3,
-                               "cls_attention_rollout": 0.0}
+    assert res["accuracy"] == {"gradcam": 2 / 3, "relevance": 1.0, "tokens": 0.0, "occlusion": 2 / 3,
+                               "cls_attention_mean": 2 / 3, "cls_attention_rollout": 0.0}
     assert [r["chance"] for r in res["records"]] == [0.2, 0.3, 0.5]
     assert res["chance"] == pytest.approx(1 / 3, abs=1e-12)
-    assert res["records"][1]["hits"] == {"gradcam": True, "relevance": True, "tokens": False,
+    assert res["records"][1]["hits"] == {"gradcam": True, "relevance": True, "tokens": False, "occlusion": False,
                                          "cls_attention_mean": False, "cls_attention_rollout": False}
 
 
@@ -98,25 +100,26 @@ def test_a_tower_without_cls_attention_is_reported_not_raised():
         raise ValueError("CLS attention needs a ViT image tower, this model uses efficientnet")
 
     res = ep.score(items, lambda p, q, m: _peak((1, 1)), attention)
-    assert res["accuracy"] == {"gradcam": 1.0, "relevance": 1.0, "tokens": 1.0}
+    assert res["accuracy"] == {"gradcam": 1.0, "relevance": 1.0, "tokens": 1.0, "occlusion": 1.0}
     assert res["unavailable"] == {m: "ValueError: CLS attention needs a ViT image tower, this model uses efficientnet"
                                   for m in ep.ATTENTION_METHODS}
 
 
 def test_summary_gives_mean_min_max_over_models_and_judges_targets_on_the_lowest():
-    def model(two, one):   # the targets are judged on auto's method (relevance), not on Grad-CAM
-        return {"pointing_accuracy": {"two_object": {"queries": 4, "relevance": two, "gradcam": 1.0, "tokens": 0.5},
-                                      "single_object": {"queries": 2, "relevance": one, "gradcam": 0.0,
-                                                        "tokens": 0.5}}}
+    def model(two, one):   # the targets are judged on auto's method for the demo (occlusion), not on relevance
+        return {"pointing_accuracy": {"two_object": {"queries": 4, "occlusion": two, "relevance": 1.0,
+                                                     "gradcam": 1.0, "tokens": 0.5},
+                                      "single_object": {"queries": 2, "occlusion": one, "relevance": 0.0,
+                                                        "gradcam": 0.0, "tokens": 0.5}}}
 
     s = ep.summarise([model(0.9, 1.0), model(0.8, 0.95), model(1.0, 1.0)],
                      {"two_object": 0.125, "single_object": 0.25})
-    assert s["two_object"]["relevance"] == {"mean": 0.9, "min": 0.8, "max": 1.0}
-    assert s["single_object"]["relevance"] == {"mean": 0.9833, "min": 0.95, "max": 1.0}
+    assert s["two_object"]["occlusion"] == {"mean": 0.9, "min": 0.8, "max": 1.0}
+    assert s["single_object"]["occlusion"] == {"mean": 0.9833, "min": 0.95, "max": 1.0}
     assert s["two_object"]["chance"] == 0.125 and s["two_object"]["queries"] == 4
     assert "cls_attention_mean" not in s["two_object"]
     t = ep.targets(s)
-    assert t["method"] == "relevance"
+    assert t["method"] == "occlusion"
     assert t["two_object"] == {"target": 0.85, "min": 0.8, "mean": 0.9, "met": False}   # the mean would pass
     assert t["single_object"]["met"] is True
 
@@ -336,7 +339,8 @@ def test_the_script_writes_its_json_and_results_md_renders_it(model_dir, small_s
     cpu = results_md.cpu_kind_of(m)
     s = data["summary"]["two_object"]
     assert "met: %s" % ("yes" if data["targets"]["two_object"]["met"] else "no") in text
-    assert "Targets (issue 52), for relevance and met" in text
+    target = dict(results_md.POINTING_METHODS).get(ep.TARGET_METHOD, ep.TARGET_METHOD)
+    assert f"Targets (issue 52), for {target} and met" in text
     assert (f"| **mean (range) over 2** |  | **{s['gradcam']['mean']:.3f}** ({s['gradcam']['min']:.3f}-"
             f"{s['gradcam']['max']:.3f}) | **{s['relevance']['mean']:.3f}** ({s['relevance']['min']:.3f}-"
             f"{s['relevance']['max']:.3f}) |") in text
