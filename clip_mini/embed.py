@@ -231,9 +231,11 @@ class Embedder:
     # -- match maps ---------------------------------------------------------------------------------------------
     def explain(self, image: Any, text: str, method: str = "auto") -> np.ndarray:
         """Where in ``image`` the text matches: a float32 (H, W) map over the image's own pixels, in [0, 1],
-        higher where the image matches (``clip_mini.model.explain``: by default relevance maps for ViT towers
-        (gradient-weighted attention through every block) and Grad-CAM for CNN towers; ``method="gradcam"``, or
-        ``method="tokens"``: patch tokens scored through the image head).
+        higher where the image matches (``clip_mini.model.explain``: by default, for a ViT tower, occlusion maps
+        where its patch grid is coarser than 8 a side (the drop in image-text cosine as a one-patch window slides
+        over the image) and relevance maps otherwise (gradient-weighted attention through every block), and
+        Grad-CAM for CNN towers; or name ``method``: "occlusion", "relevance", "gradcam", "tokens" (patch tokens
+        scored through the image head)).
 
         The tower's patch grid is upsampled bilinearly to the image size; with ``center_crop`` preprocessing the
         map covers the centre square the model saw, and is 0 outside it.
