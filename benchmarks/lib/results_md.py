@@ -726,8 +726,8 @@ CLASSIFY = "studies/classify_flickr8k.json"
 
 POINTING = "quality/explain_pointing.json"
 POINTING_SETS = (("two_object", "Two objects an image, each queried"), ("single_object", "One object an image"))
-POINTING_METHODS = (("occlusion", "occlusion"), ("gradcam", "Grad-CAM"), ("relevance", "relevance"), ("tokens", "tokens"),
-                    ("cls_attention_mean", "CLS attention, mean"), ("cls_attention_rollout", "CLS attention, rollout"))
+POINTING_METHODS = (("occlusion", "occlusion"), ("gradcam", "Grad-CAM"), ("relevance", "relevance"),
+                    ("tokens", "tokens"), ("cls_attention_mean", "CLS attention, mean"), ("cls_attention_rollout", "CLS attention, rollout"))
 
 
 def explain_pointing(doc: Doc) -> None:

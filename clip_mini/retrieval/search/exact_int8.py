@@ -122,8 +122,8 @@ def search(embeddings, queries: np.ndarray, k: int, codes: C.Int8Codes | None = 
         return np.concatenate([s for s, _ in parts]), np.concatenate([i for _, i in parts])
     margin = lambda q: margins(q, codes)   # noqa: E731
     # few rows, or k past the group pass's: every row's approximate score, short-listed per query
-    return shortlist.floor_and_rescore(embeddings, queries, k, lambda q: [(0, np.ascontiguousarray(scores(codes, q).T))],
-                                       margin)
+    every = lambda q: [(0, np.ascontiguousarray(scores(codes, q).T))]   # noqa: E731
+    return shortlist.floor_and_rescore(embeddings, queries, k, every, margin)
 
 
 def _rows_pass(embeddings, codes: C.Int8Codes, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
