@@ -47,14 +47,16 @@ from clip_mini.retrieval.search.approximate import (FAISS_THRESHOLD, HNSW_M, IVF
 from clip_mini.retrieval.search.dispatch import (FAISS_SCAN_MAX_QUERIES, FAISS_SCAN_MAX_QUERIES_NO_BF16,
                                                  FAISS_SCAN_MAX_QUERIES_NO_TORCH, FAISS_SCAN_MIN_ROWS,
                                                  INT8_MAX_QUERIES_U8, INT8_MIN_QUERIES, INT8_MIN_QUERIES_U8,
-                                                 INT8_MIN_ROWS, KERNELS, ORT_MIN_ROWS, TORCH_MIN_ROWS, auto_kernel, exact_search, prepare, searches)
+                                                 INT8_MIN_ROWS, KERNELS, ORT_MIN_ROWS, TORCH_MIN_ROWS, auto_kernel,
+                                                 exact_search, prepare, searches)
 from clip_mini.retrieval.search.exact_faiss import faiss_scan_available
 from clip_mini.retrieval.search.faiss_lib import faiss_available
 from clip_mini.retrieval.search.faiss_lib import faiss_module as _faiss   # the name retrieval/dupes.py imports
 
 __all__ = ["FAISS_SCAN_MAX_QUERIES", "FAISS_SCAN_MAX_QUERIES_NO_BF16", "FAISS_SCAN_MAX_QUERIES_NO_TORCH",
            "FAISS_SCAN_MIN_ROWS", "FAISS_THRESHOLD", "HNSW_M", "INT8_MAX_QUERIES_U8", "INT8_MIN_QUERIES",
-           "INT8_MIN_QUERIES_U8", "INT8_MIN_ROWS", "IVFPQ_MIN_ROWS", "IVFPQ_THRESHOLD", "KERNELS", "ORT_MIN_ROWS", "RERANK", "TORCH_MIN_ROWS",
+           "INT8_MIN_QUERIES_U8", "INT8_MIN_ROWS", "IVFPQ_MIN_ROWS", "IVFPQ_THRESHOLD", "KERNELS", "ORT_MIN_ROWS",
+           "RERANK", "TORCH_MIN_ROWS",
            "FaissKind", "auto_kernel", "build_faiss", "exact_search", "faiss_available", "faiss_memory", "prepare",
            "searches",
            "faiss_scan_available", "faiss_search", "ivf_lists", "ivfpq_lists", "load_faiss", "save_faiss"]
