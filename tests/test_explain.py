@@ -303,7 +303,8 @@ def test_explain_attention_and_search_from_many_threads_equal_their_single_threa
 
 def test_the_method_docstring_quotes_the_pointing_benchmark():
     """``auto``'s claims are the benchmark's: relevance ahead of Grad-CAM and of the text-blind CLS attention on both
-    shapes sets and on the photos, with every number quoted."""
+    shapes sets and on the photos, occlusion ahead of relevance on the shapes and behind it on the photos, with every
+    number quoted."""
     import json
 
     from clip_mini.model import explain
@@ -319,6 +320,11 @@ def test_the_method_docstring_quotes_the_pointing_benchmark():
         assert acc["relevance"] > acc["gradcam"] and acc["relevance"] > acc["cls_attention_mean"]
         for method in ("relevance", "gradcam", "cls_attention_mean"):
             assert str(acc[method]) in doc, (method, acc[method])
+    if "occlusion" in result["two_object"]:   # auto's method on the demo's coarse grid: ahead there, behind on photos
+        for name in ("two_object", "single_object"):
+            assert result[name]["occlusion"] > result[name]["relevance"], name
+            assert str(result[name]["occlusion"]) in doc and str(full["summary"][name]["occlusion"]["min"]) in doc
+        assert photos["occlusion"] < photos["relevance"] and str(photos["occlusion"]) in doc
     for number in (full["chance"]["two_object"], full["chance"]["single_object"], full["flickr8k_photos"]["chance"]):
         assert str(number) in doc, number
 

@@ -327,8 +327,9 @@ def test_the_script_writes_its_json_and_results_md_renders_it(model_dir, small_s
         "model": "photos", "boxes": "benchmarks/data/flickr8k_pointing_boxes.json", "photos": 3,
         "skipped_no_boxes": 1, "queries": 3, "chance": 0.25, "rebuild": "python train.py --config x.yaml",
         "cls_attention_unavailable": "ValueError: no ViT",
-        "pointing_accuracy": {"gradcam": 0.6667, "relevance": 1.0, "tokens": 0.3333},
-        "per_noun": {"dog": {"queries": 2, "chance": 0.2, "gradcam": 0.5, "relevance": 1.0, "tokens": 0.5},
+        "pointing_accuracy": {"occlusion": 0.3333, "gradcam": 0.6667, "relevance": 1.0, "tokens": 0.3333},
+        "per_noun": {"dog": {"queries": 2, "chance": 0.2, "occlusion": 0.5, "gradcam": 0.5, "relevance": 1.0,
+                             "tokens": 0.5},
                      "young boy": {"queries": 1, "chance": 0.35, "gradcam": 1.0, "tokens": 0.0}}}
     out.write_text(json.dumps(data))
     monkeypatch.setattr(results_md, "RESULTS_DIR", tmp_path)
@@ -341,14 +342,15 @@ def test_the_script_writes_its_json_and_results_md_renders_it(model_dir, small_s
     assert "met: %s" % ("yes" if data["targets"]["two_object"]["met"] else "no") in text
     target = dict(results_md.POINTING_METHODS).get(ep.TARGET_METHOD, ep.TARGET_METHOD)
     assert f"Targets (issue 52), for {target} and met" in text
-    assert (f"| **mean (range) over 2** |  | **{s['gradcam']['mean']:.3f}** ({s['gradcam']['min']:.3f}-"
+    assert (f"| **mean (range) over 2** |  | **{s['occlusion']['mean']:.3f}** ({s['occlusion']['min']:.3f}-"
+            f"{s['occlusion']['max']:.3f}) | **{s['gradcam']['mean']:.3f}** ({s['gradcam']['min']:.3f}-"
             f"{s['gradcam']['max']:.3f}) | **{s['relevance']['mean']:.3f}** ({s['relevance']['min']:.3f}-"
             f"{s['relevance']['max']:.3f}) |") in text
     assert text.count(f"| `{data['models'][0]['model']}` | - | ") == 4   # two models, two sets; no seed known
     assert f"| {data['chance']['single_object']:.3f} | - | {cpu} | not known |" in text
-    assert "| **all** | 3 | **0.667** | **1.000** | **0.333** | - | - | 0.250 | %s |" % cpu in text
-    assert "| dog | 2 | 0.500 | 1.000 | 0.500 | - | - | 0.200 | %s |" % cpu in text
-    assert "| young boy | 1 | 1.000 | - | 0.000 | - | - | 0.350 | %s |" % cpu in text
+    assert "| **all** | 3 | **0.333** | **0.667** | **1.000** | **0.333** | - | - | 0.250 | %s |" % cpu in text
+    assert "| dog | 2 | 0.500 | 0.500 | 1.000 | 0.500 | - | - | 0.200 | %s |" % cpu in text
+    assert "| young boy | 1 | - | 1.000 | - | 0.000 | - | - | 0.350 | %s |" % cpu in text
     assert "could not run on this tower: ValueError: no ViT" in text and "`python train.py --config x.yaml`" in text
     keys = {src.key for srcs in doc.sources for src in srcs}
     assert {"summary.two_object.gradcam.mean", "summary.single_object.relevance.min", "targets.single_object.met",

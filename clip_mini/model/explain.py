@@ -29,21 +29,19 @@ Methods (each returns a (grid_h, grid_w) float32 map, higher where the image mat
   ``OCCLUSION_CELLS`` cells a side, windows of ``OCCLUSION_WINDOW``.
 
 ``auto`` is ``occlusion`` for a ViT tower of a grid coarser than 8 patches a side (the demo's 4 x 4, whose maps
-``relevance`` refines), ``relevance`` for a finer ViT grid and ``gradcam`` for a CNN tower. On three demo shapes
-models (``cls`` pooling, 4 x 4 patches; ``configs/tiny.yaml``, seeds 0-2; mean, the lowest seed's in brackets) with
-two objects an image, the occlusion map's peak falls inside the queried object for 0.9733 of the queries (0.9625),
-against 0.7433 (0.7125) for relevance; with one object 0.9883 (0.97) against 0.9367 (0.895). Hiding the windows
-otherwise does worse: set to the normalisation mean, 0.9442 (0.9325) and 0.9367 (0.91); patch tokens left out of the
-sequence (a pass this tower never trained on), 0.6675 (0.6025) and 0.6367 (0.60); cells of half a patch (81 images),
-0.965 (0.95) and 0.9183 (0.855). An occlusion map takes 143 ms there against relevance's 25 ms (2 threads; 208-218
-ms against 27 ms with other jobs on the cores); on the built-in ``photos`` model (12 x 12 patches: 144 images of its
-size) 7.3 s against 0.16 s (6 photos), so ``auto`` keeps relevance for fine grids. Over the benchmark's committed
-models, relevance scores 0.7283 with two objects, against 0.2167 for Grad-CAM, 0.1625 for the text-blind CLS
-attention (mean over heads and layers) and a chance rate of 0.0944; with one object, 0.9283 against Grad-CAM's
-0.3417 and the CLS attention's 0.505 (chance 0.1006). On hand-boxed Flickr8k photos with the built-in model (12 x 12
-patches: not refined), mostly one subject each: relevance 0.8351 against Grad-CAM's 0.5773 and the CLS attention's
-0.6495 (chance 0.3431). A relevance map takes about 3 times a Grad-CAM map's time on the demo model (16 shifted
-images in one pass) and about 2 times on the photo model (the JSON's ``ms_per_map``)
+``relevance`` refines), ``relevance`` for a finer ViT grid and ``gradcam`` for a CNN tower. On the benchmark's three
+demo models (``configs/tiny.yaml`` trained per seed, 0-2; ``cls`` pooling, 4 x 4 patches; mean over the seeds) with
+two objects an image, the occlusion map's peak falls inside the queried object for 0.98 of the queries (lowest seed
+0.9675), against 0.7425 for relevance, 0.2242 for Grad-CAM, 0.185 for the text-blind CLS attention (mean over heads
+and layers) and a chance rate of 0.0944; with one object, 0.9767 (lowest 0.96) against relevance's 0.905, Grad-CAM's
+0.3467 and the CLS attention's 0.5267 (chance 0.1006). On three other models of the same configuration, hiding the
+windows otherwise did worse: set to the normalisation mean, 0.9442 (lowest 0.9325) with two objects and 0.9367 (0.91)
+with one; patch tokens left out of the sequence (a pass this tower never trained on), 0.6675 (0.6025) and 0.6367
+(0.60); cells of half a patch (81 images), 0.965 (0.95) and 0.9183 (0.855). On hand-boxed Flickr8k photos with the
+built-in model (12 x 12 patches: not refined), mostly one subject each: relevance 0.8351 against occlusion's 0.7835,
+Grad-CAM's 0.5773 and the CLS attention's 0.6495 (chance 0.3431), so ``auto`` keeps relevance for fine grids, where
+occlusion also costs most (144 images of 168 px a map: seconds). On the demo model an occlusion map takes about 5
+times a relevance map's time, a relevance map about 2 times a Grad-CAM map's (the JSON's ``ms_per_map``)
 (``benchmarks/quality/explain_pointing.py``, ``benchmarks/results/quality/explain_pointing.json``).
 
 The gradient is taken with respect to the captured states (or attention probabilities) only: the model's
