@@ -495,6 +495,14 @@ SEARCH = [
 ]
 
 B1M = "python benchmarks/speed/bench_serve.py --arm 1m"
+# issue 52: rendered once the 1M-row run has written its JSON
+DUPES_SPEED = [
+    ("`clip-mini dupes` over 1M float16 rows (256-d), faiss range search: time; peak memory the search adds / the "
+     "rows' file; planted near-copies found", "speed/dupes.json",
+     "{seconds:.0f} s ({rows_per_second:,} rows/s); {search_anon_growth_mb:.0f} MB / {rows_file_mb:.0f} MB; "
+     "{planted_recall:.3f} of {planted_pairs} (load average {machine.load_average_1min_at_start:.1f})",
+     "python benchmarks/speed/bench_dupes.py --dir /tmp"),
+]
 SERVING = [
     ("cold `clip-mini search` process, text / image query, median", "speed/query_latency.json",
      "{text_query.p50_s:.3f} / {image_query.p50_s:.3f} s", "python benchmarks/speed/bench_query_latency.py --model DIR"),
@@ -708,8 +716,9 @@ def document() -> Doc:
     if (RESULTS_DIR / POINTING).is_file() and "summary" in load(POINTING):
         explain_pointing(doc)
 
-    for title, rows in (("Training speed", TRAIN), ("Towers", TOWERS), ("Indexing", INDEXING), ("Search", SEARCH),
-                        ("Serving", SERVING)):
+    dupes = DUPES_SPEED if (RESULTS_DIR / "speed/dupes.json").is_file() else []
+    for title, rows in (("Training speed", TRAIN), ("Towers", TOWERS), ("Indexing", INDEXING),
+                        ("Search", SEARCH + dupes), ("Serving", SERVING)):
         doc.add(f"## {title}\n")
         speed_table(doc, rows)
         doc.add("")
