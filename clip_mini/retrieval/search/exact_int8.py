@@ -176,15 +176,7 @@ def _rows_pass(embeddings, codes: C.Int8Codes, queries: np.ndarray, k: int) -> t
         with lock:
             found.extend(mine)
 
-    workers = max(1, min(groups.cores(), chunks))
-    if workers == 1:
-        work()
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(workers) as pool:
-            for f in [pool.submit(work) for _ in range(workers)]:
-                f.result()
+    groups.run_workers(work, max(1, min(groups.cores(), chunks)))
     fq = np.concatenate([f[0] for f in found]).astype(np.int64)
     fr = np.concatenate([f[1] for f in found]).astype(np.int64)
     fs = np.concatenate([f[2] for f in found])

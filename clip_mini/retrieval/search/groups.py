@@ -46,6 +46,19 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def run_workers(work: Callable[[], None], workers: int) -> None:
+    """``work`` on ``workers`` threads at once (each takes chunks until none are left), or here for one; a worker's
+    exception is raised here."""
+    if workers == 1:
+        work()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        for f in [pool.submit(work) for _ in range(workers)]:
+            f.result()
+
+
 def usable(n: int, k: int) -> bool:
     """Whether the group pass suits ``n`` rows and top ``k``: enough groups that the K-th best means something."""
     return k <= MAX_K and n >= BLOCK
@@ -105,15 +118,7 @@ def search(embeddings, queries: np.ndarray, k: int, make_score: Callable[[int, n
             np.max(scores.reshape(GROUP, per, nq), axis=0, out=gmax[i])
             np.max(gmax[i].reshape(SUPER, supers, nq), axis=0, out=smax[i])
 
-    workers = max(1, min(workers or cores(), chunks))
-    if workers == 1:
-        work()
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(workers) as pool:
-            for f in [pool.submit(work) for _ in range(workers)]:
-                f.result()
+    run_workers(work, max(1, min(workers or cores(), chunks)))
     margins = shortlist.query_margins(margin, queries).astype(np.float32)
     cq, ci = candidates(gmax.reshape(-1, nq), smax.reshape(-1, nq), k, margins, chunk, n)
     return shortlist.rescore(embeddings, queries, cq, ci, k)
