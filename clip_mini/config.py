@@ -159,7 +159,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     # "clip": softmax contrastive loss; "siglip": SigLIP's pairwise sigmoid loss (needs model.init_logit_bias)
     loss: Literal["clip", "siglip"] = "clip"
-    # locked text tower: contrast each image with this many of its captions, all positives, for the text head's cost
+    # contrast each image with this many of its captions, all positives (a locked text tower: for the head's cost)
     captions_per_image: int = 1
     # wall clock for the whole run ("30m", "90s", "1.5h"; seconds once loaded): the step count is fitted to it
     budget: Optional[Union[str, float]] = None
@@ -278,9 +278,9 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError("train.label_smoothing applies to train.loss=clip, not siglip")
     _check_mirroring(cfg)
     if cfg.train.captions_per_image > 1:
-        if cfg.model.text.trainable or cfg.data.format == "webdataset":
-            raise ConfigError("train.captions_per_image > 1 reads the captions' precomputed rows: it needs a locked "
-                              "text tower (model.text.trainable=false) over a caption table (not webdataset)")
+        if cfg.data.format == "webdataset":
+            raise ConfigError("train.captions_per_image > 1 reads each image's other captions from the caption "
+                              "table: a webdataset stream has one caption per sample")
         if cfg.train.label_smoothing:
             raise ConfigError("train.label_smoothing is for one caption per image (train.captions_per_image=1)")
     for name in ("lr_image", "lr_text", "lr_head"):

@@ -79,6 +79,28 @@ def test_collate_brings_the_drawn_caption_then_the_images_next_ones():
     assert one["text_tower"][:, 0].tolist() == [1, 4] and "text_ids" not in one
 
 
+def test_trained_tower_collate_tokenizes_the_drawn_caption_then_the_images_next_ones():
+    from clip_mini.data.caption_groups import CaptionGroupCollate, group_by_image
+
+    groups = group_by_image(["a dog", "a cat", "a cow", "red", "blue"], [0, 0, 0, 1, 1])
+    assert groups == {0: ["a dog", "a cat", "a cow"], 1: ["red", "blue"]}
+    seen = []
+
+    def tokenizer(texts, **kw):
+        seen.append(list(texts))
+        n = len(texts)
+        return {"input_ids": torch.arange(n)[:, None], "attention_mask": torch.ones(n, 1, dtype=torch.long)}
+
+    def base(batch):
+        return {"image_ids": torch.tensor([b[2] for b in batch]), "input_ids": torch.zeros(len(batch), 1)}
+
+    out = CaptionGroupCollate(base, tokenizer, 16, groups, per_image=3)([(None, "a cat", 0), (None, "blue", 1)])
+    assert seen == [["a cat", "a cow", "a dog", "blue", "red", "blue"]]   # cyclic from the drawn one; repeats
+    assert out["text_ids"].tolist() == [0, 0, 0, 1, 1, 1] and out["input_ids"].shape == (6, 1)
+    with pytest.raises(ValueError, match="per_image"):
+        CaptionGroupCollate(base, tokenizer, 16, groups, per_image=1)
+
+
 def _config(shapes, out_dir, *extra):
     return load_config(None, tiny_sets() + [
         "model.text.trainable=false", "data.val=8", "train.device=cpu",
@@ -95,6 +117,8 @@ def _losses(run_dir):
 @pytest.mark.parametrize("tower", [
     [],   # pixels through the whole ViT every step
     ["model.vision.trainable_blocks=1", "train.frozen_features=2", "data.workers=0"],   # stored token states
+    ["model.text.trainable=true"],   # a text tower that trains: the tokens of every caption
+    ["model.text.trainable=true", "model.vision.trainable_blocks=1", "train.frozen_features=2", "data.workers=0"],
 ])
 def test_a_run_trains_on_every_caption_and_accumulation_gives_the_same_steps(tmp_path, monkeypatch, tower):
     from clip_mini.data import generate
@@ -120,7 +144,7 @@ def test_a_run_trains_on_every_caption_and_accumulation_gives_the_same_steps(tmp
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["model.text.trainable=true"], "locked text tower"),
+    (["data.format=webdataset"], "one caption per sample"),
     (["train.label_smoothing=0.1"], "one caption per image"),
     (["train.captions_per_image=0"], "must be > 0"),
 ])

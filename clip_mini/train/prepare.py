@@ -66,6 +66,12 @@ def prepare(cfg: Config, model, splits: dict[str, pd.DataFrame], run: Path, info
     else:
         inputs = build_train_inputs(cfg, splits["train"], model.preprocess, model.tokenizer,
                                     model.cfg.text.max_length, info.rank, info.world_size, cache)
+    if t.captions_per_image > 1 and not text_cache.wanted(cfg):   # a trained text tower: tokens of each caption
+        from clip_mini.data.caption_groups import CaptionGroupCollate, group_by_image
+
+        groups = group_by_image(splits["train"]["caption"].astype(str).tolist(), splits["train"]["image_id"].tolist())
+        inputs.collate = CaptionGroupCollate(inputs.collate, model.tokenizer, model.cfg.text.max_length, groups,
+                                             t.captions_per_image)
     if text_cache.wanted(cfg):   # a locked text tower: its rows once per distinct caption, not every step
         with clock("text_pass"):
             captions = splits["train"]["caption"].tolist()

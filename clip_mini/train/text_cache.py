@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from clip_mini.data.caption_groups import group_by_image, next_in_group
 from clip_mini.runtime.precision import autocast
 
 FORMAT = 1   # of the stored rows' key
@@ -81,11 +82,7 @@ class TextRowCollate:
         if self.per_image == 1:
             out["text_tower"] = self.rows[drawn]
             return out
-        picked = []
-        for row, b in zip(drawn, batch):
-            group = self.groups[int(b[2])]
-            start = group.index(row)
-            picked += [group[(start + j) % len(group)] for j in range(self.per_image)]
+        picked = [r for row, b in zip(drawn, batch) for r in next_in_group(self.groups[int(b[2])], row, self.per_image)]
         out["text_tower"] = self.rows[picked]
         out["text_ids"] = out["image_ids"].repeat_interleave(self.per_image)
         return out
@@ -93,10 +90,7 @@ class TextRowCollate:
 
 def caption_groups(captions: Sequence[str], image_ids: Sequence[int], index: dict[str, int]) -> dict[int, list[int]]:
     """Each image id's distinct caption rows (``index``'s), in table order."""
-    groups: dict[int, dict[int, None]] = {}
-    for caption, image_id in zip(captions, image_ids):
-        groups.setdefault(int(image_id), {})[index[str(caption)]] = None
-    return {k: list(v) for k, v in groups.items()}
+    return group_by_image([index[str(c)] for c in captions], image_ids)
 
 
 def rows_key(model, distinct: list[str], precision: str) -> str:
