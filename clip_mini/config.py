@@ -165,6 +165,8 @@ class TrainConfig:
     budget: Optional[Union[str, float]] = None
     # a model directory to start from (weights, tokenizer, preprocessing; train/init_from.py)
     init_from: Optional[str] = None
+    # moving average of the weights, its decay per step (e.g. 0.998): what best/ and final/ hold; null or 0: off
+    ema: Optional[float] = None
 
 
 @dataclass
@@ -287,6 +289,9 @@ def _check_ranges(cfg: Config) -> None:
         val = getattr(cfg.train, name)
         if val is not None and val < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {val!r}")
+    if cfg.train.ema is not None and not 0.0 <= cfg.train.ema < 1.0:
+        raise ConfigError(f"train.ema (the EMA decay per step) must be in [0, 1), e.g. 0.998 (0 or null: off), "
+                          f"got {cfg.train.ema!r}")
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
         raise ConfigError("train.init_from must name a model directory (or be null)")
 

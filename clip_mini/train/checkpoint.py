@@ -3,8 +3,9 @@
 Layout of ``<run>/checkpoints/``:
 
 * ``ckpt-<step>.pt``: a ``torch.save`` dict of tensors and plain Python values only (model and optimiser state
-  dicts, RNG states as uint8/int64 tensors, counters, the resolved config), so it loads with
-  ``torch.load(weights_only=True)``: nothing is unpickled.
+  dicts, RNG states as uint8/int64 tensors, counters, the resolved config; with ``train.ema``, ``"ema"``: the
+  averaged weights, name to tensor, train/ema.py), so it loads with ``torch.load(weights_only=True)``: nothing is
+  unpickled.
 * ``latest.json``: ``{"latest": name, "files": {name: {"step", "sha256"}}}``, the kept checkpoints.
 
 A checkpoint is written to a temporary file, fsynced and renamed into place, and its checksum recorded in

@@ -1,8 +1,9 @@
 """The training loop: ``train(cfg)`` reads top to bottom, one commented stage after another (as nanoGPT's).
 
 Stages: set-up (processes, run dir, data, tokenizer, model, optimiser), resume, then per step: set lr,
-forward/backward (with contrastive accumulation), clip, guard against non-finite values, step, log, checkpoint;
-per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and a summary table.
+forward/backward (with contrastive accumulation), clip, guard against non-finite values, step (and ``train.ema``'s
+average), log, checkpoint; per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and a summary
+table. With ``train.ema`` the average of the weights is the model the run evaluates, keeps and ships.
 
 ``curves.png`` is drawn (matplotlib: a fraction of a second) when the run ends, finished or paused, and at an epoch
 end when this process last drew it ``CURVES_EVERY_S`` or more before: a long run's picture follows it, and short
@@ -32,6 +33,7 @@ from clip_mini.train.build import (TrainError, build_model, check_run_dir, check
                                    resolve_train_precision, warn_config_changes)
 from clip_mini.train.clock import RunClock
 from clip_mini.train.distributed import barrier, cleanup, default_threads, gather, init_distributed, rank_seed
+from clip_mini.train.ema import build_ema, ema_state, load_ema_state
 from clip_mini.eval.validation import evaluate_model
 from clip_mini.train.inputs import load_splits
 from clip_mini.train.pace import Pace
@@ -55,7 +57,8 @@ def train(cfg: Config, resume: Optional[str] = None, stop_after: Optional[int] =
 
     Returns:
         ``{"run_dir", "step", "epoch", "best_metric", "best_value", "val", "stopped", "time_s",
-        "truncated_captions"}`` (train captions cut by model.text.max_length).
+        "truncated_captions"}`` (train captions cut by model.text.max_length), and ``"ema"`` (the decay) when
+        ``train.ema`` is set.
     """
     check_train_config(cfg)
     owns_group = not torch.distributed.is_initialized()
@@ -87,7 +90,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
     barrier()
 
     # -- model, optimiser, one-time work, the run's length -----------------------------------------------------
-    model, optimizer, features, scaler, frozen = _build(cfg, info, run, ckpt, ckpt_path, start_dir)
+    model, optimizer, features, scaler, frozen, ema = _build(cfg, info, run, ckpt, ckpt_path, start_dir)
+    out = ema.module if ema is not None else model   # what is evaluated and saved: train.ema's average, if set
     loss_fn = SigLipLoss() if t.loss == "siglip" else ClipLoss(t.label_smoothing)
     truncated = report_truncation(model.tokenizer, splits["train"]["caption"].astype(str).tolist(),
                                   model.cfg.text.max_length, "train")   # one line if any caption is cut
@@ -106,7 +110,7 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
 
     def evaluate(epoch_done: int) -> dict:
         with clock("evaluation"):
-            val = _evaluate(model, splits["val"], eval_transform, prep.cache, cfg, device, log, state, epoch_done,
+            val = _evaluate(out, splits["val"], eval_transform, prep.cache, cfg, device, log, state, epoch_done,
                             t0, prep.frozen_feats)
         if time.time() - curves_at[0] >= CURVES_EVERY_S:
             draw_curves()
@@ -138,7 +142,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
                 ckpt_io.save_checkpoint(run / "checkpoints", {
                     **state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "rng": rngs[0], "rng_ranks": rngs, "config": cfg.to_dict(), "total_steps": pace.total,
-                    **pace.state, **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})},
+                    **pace.state, **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {}),
+                    **({"ema": ema_state(ema, model)} if ema is not None else {})},
                     t.keep_checkpoints)
             barrier()   # a slow write on rank 0 is waited for here, not in the next step's collectives
 
@@ -166,6 +171,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
             if torch.isfinite(loss) and torch.isfinite(grad_norm):
                 scaler.step(optimizer)   # optimizer.step() unless fp16
                 model.clamp_logit_scale()
+                if ema is not None:   # the average takes applied steps only; the step count sets its warm-up
+                    ema.update(model, step=state["step"] + 1)
                 state["bad_steps"] = 0
                 state["epoch_loss"] = [state["epoch_loss"][0] + loss.item(), state["epoch_loss"][1] + 1]
             elif not (scaler.is_enabled() and torch.isfinite(loss)):
@@ -205,8 +212,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]
                 with clock("model_save"):
-                    model.save_pretrained(run / "best",
-                                          extra={"trained": _provenance(state["step"], epoch + 1, val, t)})
+                    out.save_pretrained(run / "best",
+                                        extra={"trained": _provenance(state["step"], epoch + 1, val, t)})
         barrier()
         set_train_mode(model, True)
         state.update(epoch=epoch + 1, pos=0, epoch_loss=[0.0, 0])
@@ -218,15 +225,15 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
         save_state()
     if main and not stopped:
         with clock("model_save"):
-            model.save_pretrained(run / "final", extra={"trained": _provenance(state["step"], state["epoch"],
-                                                                               _last_val(log), t)})
+            out.save_pretrained(run / "final", extra={"trained": _provenance(state["step"], state["epoch"],
+                                                                             _last_val(log), t)})
     if main:
         draw_curves()
     barrier()
     result = {"run_dir": str(run), "step": state["step"], "epoch": state["epoch"], "best_metric": t.best_metric,
               "best_value": state["best"], "val": _last_val(log), "stopped": stopped, "time_s": time.time() - t0,
               "truncated_captions": truncated, "time_breakdown": clock.breakdown(time.time() - t0),
-              "precision": t.precision, **pace.state}
+              "precision": t.precision, **pace.state, **({"ema": t.ema} if t.ema else {})}
     if main:
         _report(result, log, pace.summary(state["step"]))
     return result
@@ -280,7 +287,8 @@ def _restore(ckpt: dict, ckpt_path, state: dict, info, clock: RunClock, run: Pat
 
 def _build(cfg: Config, info, run: Path, ckpt: Optional[dict], ckpt_path, start_dir):
     """The model (pretrained, ``init_from`` or a checkpoint's weights), its optimiser, the features module the
-    step runs (DDP-wrapped, compiled as asked), the fp16 loss scaler and the names of what is frozen."""
+    step runs (DDP-wrapped, compiled as asked), the fp16 loss scaler, the names of what is frozen and the
+    ``train.ema`` average (None when off; each rank keeps its own, all equal)."""
     t, device = cfg.train, info.device
     torch.manual_seed(t.seed)
     model = build_model(cfg, run / "tokenizer", load_pretrained=ckpt is None and start_dir is None)
@@ -300,6 +308,9 @@ def _build(cfg: Config, info, run: Path, ckpt: Optional[dict], ckpt_path, start_
         except (RuntimeError, ValueError, KeyError) as e:
             raise ckpt_io.CheckpointError(f"{ckpt_path} does not fit this config (model or optimiser "
                                           f"differ; see the warning above): {e}") from None
+    ema = build_ema(model, t.ema)   # a copy of the resumed weights: its locked towers are exactly the model's
+    if ema is not None and ckpt:
+        _restore_ema(ema, model, ckpt, ckpt_path, info.is_main)
     # every rank built the same weights from one seed; from here on each rank draws its own dropout, drop-path and
     # patch-drop masks (rank 0 keeps the stream of a single process); a resume restores each rank's own state later
     if info.rank:
@@ -312,7 +323,21 @@ def _build(cfg: Config, info, run: Path, ckpt: Optional[dict], ckpt_path, start_
         from clip_mini.model.layers.compile_pass import CompiledStep
 
         features = CompiledStep(features)
-    return model, optimizer, features, scaler, frozen
+    return model, optimizer, features, scaler, frozen, ema
+
+
+def _restore_ema(ema, model, ckpt: dict, ckpt_path, main: bool) -> None:
+    """The checkpoint's averaged weights into ``ema``; a checkpoint of a run without ``train.ema`` starts the
+    average at its weights."""
+    if ckpt.get("ema") is None:
+        if main:
+            warnings.warn(f"{ckpt_path} holds no EMA of the weights (train.ema was off): the average starts at "
+                          "its weights", RuntimeWarning, stacklevel=2)
+        return
+    try:
+        load_ema_state(ema, model, ckpt["ema"])
+    except (RuntimeError, KeyError) as e:
+        raise ckpt_io.CheckpointError(f"{ckpt_path}: its EMA state does not fit this model: {e}") from None
 
 
 # -- helpers --------------------------------------------------------------------------------------------------
@@ -402,7 +427,7 @@ def _evaluate(model, df, transform, cache, cfg: Config, device, log: MetricsLog,
     total, n = state["epoch_loss"]
     log.add({"kind": "epoch", "step": state["step"], "epoch": epoch_done, "train_loss": total / n if n else None,
              **{f"val_{k}": v for k, v in val.items()}, "time_s": time.time() - t0, "eval_s": time.time() - start,
-             "precision": t.precision})
+             "precision": t.precision, **({"ema": t.ema} if t.ema else {})})
     log.flush()
     tqdm.write(f"epoch {epoch_done}: val loss {val['loss']:.4f}  t2i R@1/5/10 {val['t2i_r1']:.3f}/"
                f"{val['t2i_r5']:.3f}/{val['t2i_r10']:.3f}  i2t R@1/5/10 {val['i2t_r1']:.3f}/{val['i2t_r5']:.3f}/"
@@ -419,4 +444,4 @@ def _provenance(step: int, epoch: int, val: dict, t) -> dict:
     """What ``config.json`` records under ``trained``; ``clip-mini eval`` reuses the evaluation settings (the
     precision, and the batch size that groups the validation loss) so it reproduces ``val``."""
     return {"step": step, "epoch": epoch, "val": val, "precision": t.precision,
-            "eval_batch_size": t.eval_batch_size}
+            "eval_batch_size": t.eval_batch_size, **({"ema": t.ema} if t.ema else {})}
