@@ -113,10 +113,25 @@ def test_races_report_val_only_and_final_scores_test_once_into_the_ledger(shapes
     report, stdout = _bench_here(shapes, tmp_path, "a", 1.0, capsys, "--epochs", "1")
     assert report["reported_split"] == "val" and "VAL split" in stdout and "TEST" not in stdout
     (r,) = report["results"]
+    r0 = r
     assert "error" not in r, r
     assert not {"test", "test_images"} & (r["best"].keys() | r["final"].keys()) and "test_score_s" not in r
     assert _has_numbers(r["best"]["val"]) and _has_numbers(r["final"]["val"])
     assert not ledger_path.exists()   # the test split was not read
+    race = tmp_path / "race.json"
+    race.write_text((tmp_path / "quality.json").read_text())
+    with pytest.raises(SystemExit, match="no finished run of variant 'b'"):
+        qf.main(["--score-race", str(race), "--variants", "b", "--out", str(tmp_path / "runs")])
+    assert not ledger_path.exists()
+    qf.main(["--score-race", str(race), "--variants", "a", "--out", str(tmp_path / "runs")])   # no training again
+    scored = json.loads(race.read_text())
+    (r,) = scored["results"]
+    assert scored["reported_split"] == "test" and r["test_scored_after_the_race"] and r["wall_s"] == r0["wall_s"]
+    assert _has_numbers(r["best"]["test"]) and r["best"]["step"] == r0["best"]["step"]
+    (line,) = [json.loads(x) for x in ledger_path.read_text().splitlines()]
+    assert line["variant"] == "a" and line["test"]["best"] == r["best"]["test"]
+    ledger_path.unlink()
+    capsys.readouterr()
     seen = []
     scoring = qf.score_best_and_final
     monkeypatch.setattr(qf, "score_best_and_final",

@@ -328,6 +328,28 @@ def score_test(v: Variant, run: Path) -> dict:
     return scores
 
 
+def score_race(path: Path, names: list[str], out_root: Path) -> None:
+    """``--score-race``: test numbers for the named variants of a race already run (val chose them), each inside
+    its ledger line, written into the race's JSON, which then reports the test split for them."""
+    from clip_mini.fileio.atomic import atomic_write_json
+
+    report = json.loads(path.read_text())
+    results = {r["variant"]: r for r in report["results"]}
+    for name in names:
+        r = results.get(name)
+        if r is None or "error" in r or "skipped" in r:
+            raise SystemExit(f"error: {path} has no finished run of variant {name!r} (it has {sorted(results)})")
+        run = out_root / name
+        if not (run / "best" / "config.json").is_file():
+            raise SystemExit(f"error: {run / 'best'} is missing: the race's runs must still be in --out")
+        tick = time.time()
+        r.update(score_test(Variant(name, ROOT / r["config"], r.get("overrides", [])), run),
+                 test_score_s=round(time.time() - tick, 1), test_scored_after_the_race=True)
+    report["reported_split"] = "test"
+    atomic_write_json(path, report)
+    print_summary(report)
+
+
 # -- the open_clip peer -----------------------------------------------------------------------------------------
 def warm_cache(cfg, deadline: float, budget_s: float) -> dict:
     """The peer's one-time work: every image decoded into the image cache at its size before its timed steps
@@ -446,12 +468,19 @@ def main(argv=None) -> None:
     p.add_argument("--final", action="store_true",
                    help="also score best/ and final/ on the TEST split, each scoring one line of the test ledger "
                         "(written before the split is read); for the one config val selected, not for races")
+    p.add_argument("--score-race", metavar="JSON",
+                   help="no training: score on test (as --final does) the runs of an earlier race's JSON, still "
+                        "in --out, for the variants named by --variants (the one val selected); the JSON is "
+                        "rewritten with their test numbers")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
     p.add_argument("--out", default=str(ROOT / "runs/quality"))
     p.add_argument("--set", action="append", default=[], help="extra override for every variant (after the split)")
     p.add_argument("--result", default=str(ROOT / "benchmarks/results/quality/quality_flickr8k.json"))
     args = p.parse_args(argv)
+    if args.score_race:
+        score_race(Path(args.score_race), args.variants.split(","), Path(args.out).resolve())
+        return
     variants = parse_variants(args.variants)
     captions = Path(args.captions)
     if not captions.is_file():
