@@ -8,8 +8,11 @@ rank-r factors of each changed large matrix and the moved rows of the word embed
 fp16, fp16 differences of the rest). A delta that fits ``--max-mb`` is rebuilt from the towers plus itself and
 scored on val next to the full fine-tune; one that does not is listed with its bytes only. The size cap is the
 constraint and a higher rank is closer to the full fine-tune, so the largest rank that fits is shipped into
-``clip_mini/builtin/models/photos/`` with its card. ``--final`` then scores the shipped model and the full
-fine-tune on the test split inside one line of the test ledger, written first.
+``clip_mini/builtin/models/photos/`` with its card, but only when val scores it above the package shipped now
+(``--force`` replaces it anyway). ``--average-with MODEL`` first averages best/ weight for weight with another
+fine-tune of the same towers (a model soup; ``photos`` names the package shipped now) and starts from the average
+when val scores it higher. ``--final`` then scores the shipped model and the model it was cut from on the test
+split inside one line of the test ledger, written first.
 Writes benchmarks/results/quality/photo_model.json.
 """
 from __future__ import annotations
@@ -76,13 +79,19 @@ def main(argv=None) -> None:
     p.add_argument("--factors", choices=("fp16", "int8"), default="int8",
                    help="how the delta stores its factors and moved rows")
     p.add_argument("--max-mb", type=float, default=20.0)
+    p.add_argument("--average-with", metavar="MODEL",
+                   help="a model directory or built-in name (e.g. photos, the package shipped now) to average weight "
+                        "for weight with the run's best/ (a soup of two fine-tunes of the same towers): the average "
+                        "replaces best/ as the model to ship when val scores it higher")
+    p.add_argument("--force", action="store_true",
+                   help="replace the package even when val scores the one shipped now higher")
     p.add_argument("--final", action="store_true", help="score the shipped and the full model on test (ledger)")
     p.add_argument("--recipe", default="", help="the command that trained the run (recorded on the card)")
     p.add_argument("--result", default=str(ROOT / "benchmarks/results/quality/photo_model.json"))
     args = p.parse_args(argv)
 
     from clip_mini.builtin.delta import delta_bytes, make_delta
-    from clip_mini.builtin.registry import BUILTIN_ROOT, delta_base, write_package
+    from clip_mini.builtin.registry import BUILTIN_ROOT, delta_base, resolve_model, write_package
     from clip_mini.eval.scoring import evaluate_retrieval
     from clip_mini.model.clip import CLIPModel
     from clip_mini.runtime.isa import cpu_record
@@ -100,13 +109,23 @@ def main(argv=None) -> None:
         raise SystemExit(f"{best}: its tokenizer is not the pretrained tower's; a delta cannot rebuild it")
     base_state = {k: v.clone() for k, v in delta_base(base).items()}   # the towers as their packages ship them
     del base
+    target = Path(BUILTIN_ROOT) / args.name
+    current_val = None
+    if (target / "delta.safetensors").is_file():   # the package shipped now: the one to beat on val
+        current_val = _scores(evaluate_retrieval(resolve_model(args.name), config, split="val", progress=False))
+        result["current"] = {"val": current_val}
+        print(f"shipped now ({args.name}): val {current_val}", flush=True)
     full_val = _scores(evaluate_retrieval(best, config, split="val", progress=False))
-    result["full"] = {"val": full_val, "bytes_fp16": sum(v.numel() * 2 for v in trained_state.values())}
     print(f"full fine-tune: val {full_val}", flush=True)
 
     work = Path(tempfile.mkdtemp(prefix="ship-", dir=run))
-    chosen = None
+    full_dir, chosen = best, None
     try:
+        if args.average_with:
+            full_dir, full_val = average_with(args.average_with, trained, trained_state, best, config, full_val,
+                                              work, result)
+            trained_state = {k: v.clone() for k, v in trained.state_dict().items()}
+        result["full"] = {"val": full_val, "bytes_fp16": sum(v.numel() * 2 for v in trained_state.values())}
         for rank in sorted(int(r) for r in args.ranks.split(",")):
             delta = make_delta(trained_state, base_state, rank, factors=args.factors)
             size = delta_bytes(delta)
@@ -126,6 +145,12 @@ def main(argv=None) -> None:
             raise SystemExit(f"no rank of {args.ranks} fits {args.max_mb} MB with {args.factors} factors")
         row, delta, shipped_dir = chosen
         result["shipped"] = {"rank": row["rank"], "factors": args.factors, "mb": row["mb"], "val": row["val"]}
+        if current_val is not None and row["val"]["rsum"] <= current_val["rsum"] and not args.force:
+            result["replaced"] = False
+            print(f"kept the package shipped now: its val rsum {current_val['rsum']} >= the new delta's "
+                  f"{row['val']['rsum']} (--force replaces it anyway)", flush=True)
+            return
+        result["replaced"] = True
 
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
         trained_info = json.loads((best / "config.json").read_text()).get("trained", {})
@@ -136,19 +161,49 @@ def main(argv=None) -> None:
                 "train_minutes": train_minutes(run / "metrics.jsonl"),
                 "precision": summary.get("precision"),
                 "cpu": cpu_record(), "recipe": args.recipe, "delta_rank": row["rank"], "factors": args.factors,
-                "delta_mb": row["mb"], "val": row["val"], "val_full_finetune": full_val}
+                "delta_mb": row["mb"], "val": row["val"], "val_full_finetune": full_val,
+                **({"averaged_with": result["average"]["with_build"]} if result.get("average", {}).get("kept") else {})}
         if args.final:
-            card["test"] = result["test"] = score_test(args.name, config, shipped_dir, best)
+            card["test"] = result["test"] = score_test(args.name, config, shipped_dir, full_dir)
         result["card"] = card
-        target = Path(BUILTIN_ROOT) / args.name
         trained = CLIPModel.from_pretrained(best)   # its own weights, config and preprocessing
         result["package_fingerprint"] = write_package(target, trained, delta, card,
                                                       extra={"trained": trained_info})
         result["package"] = str(target.relative_to(ROOT))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result["wall_s"] = round(time.time() - t0, 1)
-    write_result(args.result, result)
+        result["wall_s"] = round(time.time() - t0, 1)
+        write_result(args.result, result)
+
+
+def average_with(spec: str, trained, trained_state: dict, best: Path, config: Path, best_val: dict, work: Path,
+                 result: dict) -> tuple[Path, dict]:
+    """The mean, tensor by tensor, of ``trained_state`` (best/) and the model ``spec`` names, scored on val; when
+    its val rsum beats best/'s, ``trained`` holds the average and its directory is returned with its val numbers,
+    else ``(best, best_val)`` and ``trained`` unchanged."""
+    from clip_mini.builtin.registry import resolve_model
+    from clip_mini.eval.scoring import evaluate_retrieval
+    from clip_mini.model.clip import CLIPModel
+
+    other_dir = resolve_model(spec)
+    other = CLIPModel.from_pretrained(other_dir).state_dict()
+    if set(other) != set(trained_state) or any(other[k].shape != v.shape for k, v in trained_state.items()):
+        raise SystemExit(f"--average-with {spec}: its tensors are not those of {best}")
+    avg = {k: (v.float() + other[k].float()).div(2).to(v.dtype) if v.is_floating_point() else v
+           for k, v in trained_state.items()}
+    trained.load_state_dict(avg)
+    out = work / "average"
+    trained.save_pretrained(out, extra={"trained": json.loads((best / "config.json").read_text()).get("trained", {})})
+    val = _scores(evaluate_retrieval(out, config, split="val", progress=False))
+    other_val = _scores(evaluate_retrieval(other_dir, config, split="val", progress=False))
+    kept = val["rsum"] > best_val["rsum"]
+    result["average"] = {"with": spec, "with_build": other_dir.name, "val": val, "val_other": other_val, "val_best": best_val, "kept": kept}
+    print(f"average with {spec}: val {val} ({'kept' if kept else 'not kept'}; {spec} alone: {other_val})",
+          flush=True)
+    if kept:
+        return out, val
+    trained.load_state_dict(trained_state)
+    return best, best_val
 
 
 def score_test(name: str, config: Path, shipped_dir: Path, full_dir: Path) -> dict:
