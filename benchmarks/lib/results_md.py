@@ -996,8 +996,8 @@ def classify_study(doc: Doc) -> None:
         doc.add(text, src)
     t = Table(doc, ["data, classes", "prompts", "images", "accuracy", "mean class recall", "model", "CPU", "JSON",
                     "rerun"])
-    model = f"`{data['model']['name']}`" + (photos_build(data["model"].get("package_fingerprint"))
-                                            if data["model"]["name"] == "photos" else "")
+    fp = data["model"].get("package_fingerprint")
+    model = f"`{data['model']['name']}`" + (photos_build(fp) if fp and data["model"]["name"] == "photos" else "")
     n_classes = len(fl["labels"])
     groups = [("flickr8k", f"Flickr8k val, {n_classes} caption classes")]
     if final:
