@@ -122,8 +122,9 @@ def main(argv=None) -> None:
     full_dir, chosen = best, None
     try:
         if args.average_with:
+            known = current_val if args.average_with == args.name else None   # the package now: scored above
             full_dir, full_val = average_with(args.average_with, trained, trained_state, best, config, full_val,
-                                              work, result)
+                                              work, result, known)
             trained_state = {k: v.clone() for k, v in trained.state_dict().items()}
         result["full"] = {"val": full_val, "bytes_fp16": sum(v.numel() * 2 for v in trained_state.values())}
         for rank in sorted(int(r) for r in args.ranks.split(",")):
@@ -177,10 +178,10 @@ def main(argv=None) -> None:
 
 
 def average_with(spec: str, trained, trained_state: dict, best: Path, config: Path, best_val: dict, work: Path,
-                 result: dict) -> tuple[Path, dict]:
+                 result: dict, other_val: dict | None = None) -> tuple[Path, dict]:
     """The mean, tensor by tensor, of ``trained_state`` (best/) and the model ``spec`` names, scored on val; when
     its val rsum beats best/'s, ``trained`` holds the average and its directory is returned with its val numbers,
-    else ``(best, best_val)`` and ``trained`` unchanged."""
+    else ``(best, best_val)`` and ``trained`` unchanged. ``other_val``: ``spec``'s val numbers, when already known."""
     from clip_mini.builtin.registry import resolve_model
     from clip_mini.eval.scoring import evaluate_retrieval
     from clip_mini.model.clip import CLIPModel
@@ -195,7 +196,8 @@ def average_with(spec: str, trained, trained_state: dict, best: Path, config: Pa
     out = work / "average"
     trained.save_pretrained(out, extra={"trained": json.loads((best / "config.json").read_text()).get("trained", {})})
     val = _scores(evaluate_retrieval(out, config, split="val", progress=False))
-    other_val = _scores(evaluate_retrieval(other_dir, config, split="val", progress=False))
+    if other_val is None:
+        other_val = _scores(evaluate_retrieval(other_dir, config, split="val", progress=False))
     kept = val["rsum"] > best_val["rsum"]
     from clip_mini.builtin.registry import is_builtin_name, model_card
 
