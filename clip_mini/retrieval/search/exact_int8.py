@@ -140,14 +140,17 @@ def _rows_pass(embeddings, codes: C.Int8Codes, queries: np.ndarray, k: int) -> t
     chunk = min(MAX_CHUNK, max(CHUNK, CHUNK_BYTES // (4 * nq))) // groups.GROUP * groups.GROUP
     chunks = -(-n // chunk)
     best = np.full((k, nq), -np.inf, np.float32)   # each query's K best group maxima so far (all workers')
-    thr = np.full(nq, -np.inf, np.float32)         # the smallest of them less the margin: a floor's lower bound
+    kth = np.full(nq, -np.inf, np.float32)         # the smallest of them (a stale read only costs a merge)
+    thr = np.full(nq, -np.inf, np.float32)         # that less the margin: a lower bound on the query's floor
     todo = iter(range(chunks))
     lock = threading.Lock()
-    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    found: list[tuple[np.ndarray, np.ndarray]] = []   # (row * nq + query, approximate score) of the kept rows
 
     def work() -> None:
         score = scorer(codes, queries, chunk)
         block = np.empty((chunk, nq), np.float32)
+        flat = block.reshape(-1)
+        gmax_buf = np.empty((chunk // groups.GROUP, nq), np.float32)
         mine = []
         while True:
             with lock:
@@ -160,26 +163,33 @@ def _rows_pass(embeddings, codes: C.Int8Codes, queries: np.ndarray, k: int) -> t
             score(start, start + c, block[:c])
             block[c:cp] = -np.inf
             per = cp // groups.GROUP
-            gmax = np.max(block[:cp].reshape(groups.GROUP, per, nq), axis=0)   # (per, nq): group j, rows j + t per
+            gmax = gmax_buf[:per]   # (per, nq): group j holds the chunk's rows j + t per
+            np.max(block[:cp].reshape(groups.GROUP, per, nq), axis=0, out=gmax)
             if per >= k:   # the K best group maxima so far, of distinct groups: K rows reach the smallest
-                top = np.partition(gmax, per - k, axis=0)[per - k:]
-                with lock:
-                    merged = np.partition(np.concatenate([best, top]), k, axis=0)
-                    best[:] = merged[k:]
-                    np.maximum(thr, merged[k] - margin, out=thr)
-            gj, qj = np.nonzero(gmax >= thr)
-            if len(gj):
-                rows = gj[:, None] + np.arange(groups.GROUP) * per                   # (pairs, 16) in the chunk
-                vals = block[rows, qj[:, None]]
-                keep = (vals >= thr[qj][:, None]) & (rows < c)
-                mine.append((np.broadcast_to(qj[:, None], rows.shape)[keep], rows[keep] + start, vals[keep]))
+                up = np.flatnonzero(gmax.max(axis=0) > kth)   # only the queries whose K-th best this chunk beats
+                if len(up):
+                    top = np.partition(gmax[:, up], per - k, axis=0)[per - k:]
+                    with lock:
+                        merged = np.partition(np.concatenate([best[:, up], top]), k, axis=0)
+                        best[:, up] = merged[k:]
+                        kth[up] = merged[k]
+                        thr[up] = np.maximum(thr[up], merged[k] - margin[up])
+            th = thr.copy()
+            hit = np.flatnonzero(gmax >= th)   # (group, query) pairs, as gmax's flat positions
+            if len(hit):
+                # the group's 16 rows, as the block's flat positions: group j's row j + t per, query q
+                pos = hit[:, None] + np.arange(0, groups.GROUP * per * nq, per * nq)
+                vals = flat.take(pos)
+                keep = vals >= th[hit % nq][:, None]
+                if c < cp:
+                    keep &= pos < c * nq
+                mine.append((pos[keep] + start * nq, vals[keep]))
         with lock:
             found.extend(mine)
 
     groups.run_workers(work, max(1, min(groups.cores(), chunks)))
-    fq = np.concatenate([f[0] for f in found]).astype(np.int64)
-    fr = np.concatenate([f[1] for f in found]).astype(np.int64)
-    fs = np.concatenate([f[2] for f in found])
+    fr, fq = np.divmod(np.concatenate([f[0] for f in found]).astype(np.int64), nq)
+    fs = np.concatenate([f[1] for f in found])
     order = np.argsort(fq, kind="stable")
     fq, fr, fs = fq[order], fr[order], fs[order]
     bounds = np.searchsorted(fq, np.arange(nq + 1))
