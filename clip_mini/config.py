@@ -167,6 +167,9 @@ class TrainConfig:
     init_from: Optional[str] = None
     # moving average of the weights, its decay per step (e.g. 0.998): what best/ and final/ hold; null or 0: off
     ema: Optional[float] = None
+    # evaluate (and keep best/) at every N-th epoch end and at the run's last: under a budget, fewer evaluations
+    # leave more time for steps
+    eval_every: int = 1
 
 
 @dataclass
@@ -292,6 +295,10 @@ def _check_ranges(cfg: Config) -> None:
     if cfg.train.ema is not None and not 0.0 <= cfg.train.ema < 1.0:
         raise ConfigError(f"train.ema (the EMA decay per step) must be in [0, 1), e.g. 0.998 (0 or null: off), "
                           f"got {cfg.train.ema!r}")
+    every = cfg.train.eval_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"train.eval_every (evaluate every N epochs, and at the last) must be an integer >= 1, "
+                          f"e.g. 2, got {every!r}")
     if cfg.train.init_from is not None and not str(cfg.train.init_from).strip():
         raise ConfigError("train.init_from must name a model directory (or be null)")
 

@@ -8,10 +8,12 @@ The run's clock starts when the process does (``python train.py`` / ``clip-mini 
    stops the run, before any training, when that work alone would not fit (``BudgetError``: the estimate and
    what to change).
 2. The first steps are timed (``Budget.step_done``), together with the untrained model's evaluation and one
-   checkpoint write; then ``fit_steps`` gives the number of steps whose training, per-epoch evaluations and
+   checkpoint write; then ``fit_steps`` gives the number of steps whose training, epoch-end evaluations and
    writes, and final save end within the budget (the last epoch may be cut short; it is evaluated like the
-   others). The fit happens inside the warmup where it can, whose learning rate does not depend on the schedule
-   length, so the cosine is set once before it starts.
+   others). With ``train.eval_every: N`` only every N-th epoch end and the last are evaluated (and may write
+   best/); the others cost their checkpoint alone, and the time this frees goes to steps. The fit happens inside
+   the warmup where it can, whose learning rate does not depend on the schedule length, so the cosine is set once
+   before it starts.
 3. The step time drifts (a shared CPU, a warm page cache), so the fit is redone at every epoch end from the
    recent steps and the measured evaluations, and at once when a check after every step finds the run heading
    past its budget. Each re-fit continues the cosine from where it stands (``train/schedule.py``): no step's
@@ -50,41 +52,81 @@ LATEST = 5            # steps whose mean time the check against the deadline use
 
 
 # -- fitting (pure functions) ---------------------------------------------------------------------------------
+def epoch_ends(total: int, steps_per_epoch: int, done: int, eval_every: int = 1) -> tuple[int, int]:
+    """The epoch ends a run of ``total`` steps still has after ``done``: ``(evaluated, not evaluated)``. Every
+    ``eval_every``-th epoch end is evaluated, and so is the run's last (the epoch ``total`` reaches into, cut short
+    or not): ``final/`` records its evaluation."""
+    first, last = done // steps_per_epoch, math.ceil(total / steps_per_epoch)
+    if last <= first:
+        return 0, 0
+    evaluated = (last - 1) // eval_every - first // eval_every + 1
+    return evaluated, last - first - evaluated
+
+
+def _rest_cost(total: int, done: int, step_s: float, eval_s: float, save_s: float, steps_per_epoch: int,
+               eval_every: int) -> float:
+    """Seconds from step ``done`` to ``total``: the steps, the evaluated epoch ends and the others."""
+    evaluated, plain = epoch_ends(total, steps_per_epoch, done, eval_every)
+    return (total - done) * step_s + evaluated * eval_s + plain * save_s
+
+
+def _dearest_end(eval_s: float, save_s: float, eval_every: int) -> float:
+    """An epoch end's cost at most: the closed forms' bound (exact when every epoch end is evaluated)."""
+    return eval_s if eval_every == 1 else max(eval_s, save_s)
+
+
 def fit_steps(time_left: float, step_s: float, eval_s: float, steps_per_epoch: int, done: int,
-              target: float = TARGET) -> int:
-    """Steps (in all) whose remaining steps and evaluations fit ``target * time_left`` seconds, the last epoch
-    possibly cut short: every epoch that ends is evaluated, and so is the cut one. At least ``done + 1``."""
+              target: float = TARGET, eval_every: int = 1, save_s: float = 0.0) -> int:
+    """Steps (in all) whose remaining steps and epoch ends fit ``target * time_left`` seconds, the last epoch
+    possibly cut short. ``eval_s``: an evaluated epoch end (every ``eval_every``-th, and the last, cut or not);
+    ``save_s``: any other epoch end (its checkpoint). At least ``done + 1``."""
     left = target * time_left
-    per_epoch = steps_per_epoch * step_s + eval_s
-    # whole epochs first (closed form), then step by step through the last one
+
+    def cost(total: int) -> float:
+        return _rest_cost(total, done, step_s, eval_s, save_s, steps_per_epoch, eval_every)
+
+    per_epoch = steps_per_epoch * step_s + _dearest_end(eval_s, save_s, eval_every)
+    # whole epochs first (a closed form at the dearest epoch end, then epoch by epoch), then step by step through
+    # the last one
     epochs_done = done // steps_per_epoch
     total = done
     if per_epoch > 0:
         whole = int((left + (done - epochs_done * steps_per_epoch) * step_s) // per_epoch) - 1
         if whole > 0:
             total = max(done, (epochs_done + whole) * steps_per_epoch)
+        while cost((total // steps_per_epoch + 1) * steps_per_epoch) <= left:
+            total = (total // steps_per_epoch + 1) * steps_per_epoch
     while True:
         nxt = total + 1
-        evals = math.ceil(nxt / steps_per_epoch) - epochs_done
-        if (nxt - done) * step_s + evals * eval_s > left:
+        if cost(nxt) > left:
             return max(total, done + 1)
         total = nxt
 
 
 def fit_epochs(time_left: float, step_s: float, eval_s: float, steps_per_epoch: int, done: int,
-               target: float = TARGET) -> int:
-    """Epochs (in all) whose remaining steps and per-epoch evaluations fit ``target * time_left`` seconds."""
+               target: float = TARGET, eval_every: int = 1, save_s: float = 0.0) -> int:
+    """Epochs (in all) whose remaining steps and epoch ends (``eval_s`` evaluated, ``save_s`` not: see
+    ``fit_steps``) fit ``target * time_left`` seconds."""
+    left = target * time_left
+    dear = _dearest_end(eval_s, save_s, eval_every)
     epochs_done = done // steps_per_epoch
-    fit = (target * time_left + done * step_s + epochs_done * eval_s) // (steps_per_epoch * step_s + eval_s)
-    return max(1, math.ceil(done / steps_per_epoch), int(fit))
+    fit = (left + done * step_s + epochs_done * dear) // (steps_per_epoch * step_s + dear)
+    epochs = max(1, math.ceil(done / steps_per_epoch), int(fit))
+    if eval_every > 1:   # the closed form charged every epoch end as an evaluated one: add what the others free
+        while _rest_cost((epochs + 1) * steps_per_epoch, done, step_s, eval_s, save_s, steps_per_epoch,
+                         eval_every) <= left:
+            epochs += 1
+    return epochs
 
 
 def fit_schedule(fit: str, time_left: float, step_s: float, eval_s: float, steps_per_epoch: int,
-                 done: int) -> tuple[int, Optional[int]]:
-    """``(train.epochs, train.max_steps)``: whole epochs (``fit="epochs"``, max_steps None) or steps."""
+                 done: int, eval_every: int = 1, save_s: float = 0.0) -> tuple[int, Optional[int]]:
+    """``(train.epochs, train.max_steps)``: whole epochs (``fit="epochs"``, max_steps None) or steps; the epoch ends
+    as ``fit_steps`` counts them."""
     if fit == "epochs":
-        return fit_epochs(time_left, step_s, eval_s, steps_per_epoch, done), None
-    steps = fit_steps(time_left, step_s, eval_s, steps_per_epoch, done)
+        return fit_epochs(time_left, step_s, eval_s, steps_per_epoch, done, eval_every=eval_every,
+                          save_s=save_s), None
+    steps = fit_steps(time_left, step_s, eval_s, steps_per_epoch, done, eval_every=eval_every, save_s=save_s)
     return math.ceil(steps / steps_per_epoch), steps
 
 
@@ -146,10 +188,11 @@ class Budget:
     ``state`` (stored in every checkpoint) is the plan; ``resume`` restores a fitted one, which is then kept.
     """
 
-    def __init__(self, budget_s: float, clock, warmup_steps: int, steps_per_epoch: int, checkpoint_every: int = 0):
+    def __init__(self, budget_s: float, clock, warmup_steps: int, steps_per_epoch: int, checkpoint_every: int = 0,
+                 eval_every: int = 1):
         self.budget_s, self.clock = budget_s, clock
         self.deadline = clock.started + budget_s
-        self.spe, self.checkpoint_every = steps_per_epoch, checkpoint_every
+        self.spe, self.checkpoint_every, self.eval_every = steps_per_epoch, checkpoint_every, eval_every
         self.one_time_s = clock.elapsed()   # set-up and one-time work before the first step
         self.fit_at = timed_steps(warmup_steps)
         self.step_times: deque[float] = deque(maxlen=RECENT)
@@ -197,9 +240,13 @@ class Budget:
 
     # -- fitting ----------------------------------------------------------------------------------------------
     def per_epoch_s(self) -> float:
-        """An epoch end: the evaluation, the checkpoint, and best/ (written at every improving epoch: counted
-        always, so a run that keeps improving still fits)."""
+        """An evaluated epoch end: the evaluation, the checkpoint, and best/ (written at every improving evaluation:
+        counted always, so a run that keeps improving still fits)."""
         return self._eval_s() + self._save_s() + self._model_save_s()
+
+    def plain_end_s(self) -> float:
+        """An epoch end without an evaluation (``train.eval_every``): its checkpoint alone."""
+        return self._save_s()
 
     def time_left(self) -> float:
         """Seconds left for steps and epoch ends: the budget less what has run, the final save and the exit."""
@@ -215,7 +262,8 @@ class Budget:
             step_s = max(step_s, sum(recent) / len(recent))
         if self.checkpoint_every:   # the periodic checkpoints' time, spread over the steps
             step_s += self._save_s() / self.checkpoint_every
-        total = fit_steps(self.time_left(), step_s, self.per_epoch_s(), self.spe, step)
+        total = fit_steps(self.time_left(), step_s, self.per_epoch_s(), self.spe, step, eval_every=self.eval_every,
+                          save_s=self.plain_end_s())
         self.plan.update(fitted=True, total=total, step_s=round(step_s, 4), eval_s=round(self._eval_s(), 2),
                          save_s=round(self._save_s(), 2), model_save_s=round(self._model_save_s(), 2),
                          epochs=round(total / self.spe, 2), steps_per_epoch=self.spe,
@@ -233,9 +281,9 @@ class Budget:
                                                    and sum(self.step_times) >= TIMED_SHARE * self.budget_s)
 
     def _rest_s(self, step: int, total: int) -> float:
-        """The epoch ends still due from ``step`` to ``total``, the final save and the exit."""
-        evals = math.ceil(total / self.spe) - step // self.spe
-        return evals * self.per_epoch_s() + self._model_save_s() + self._exit_s()
+        """The epoch ends still due from ``step`` to ``total`` (evaluated or not), the final save and the exit."""
+        evaluated, plain = epoch_ends(total, self.spe, step, self.eval_every)
+        return evaluated * self.per_epoch_s() + plain * self.plain_end_s() + self._model_save_s() + self._exit_s()
 
     def off_course(self, step: int, total: int) -> bool:
         """A fitted run whose projected end passes its deadline (at the time of the latest steps, so that a
@@ -251,7 +299,8 @@ class Budget:
 
     def past_deadline(self) -> bool:
         """The hard stop: one more step, at the latest steps' time, would leave less time than the run's end needs
-        (this epoch's evaluation and saves, the final save, the exit) at their latest measured times."""
+        (this epoch's evaluation and saves, the final save, the exit) at their latest measured times. The epoch that
+        step ends is the run's last, so it is evaluated whatever ``train.eval_every`` says."""
         latest = list(self.step_times)[-LATEST:]
         next_step = sum(latest) / len(latest) if latest else 0.0
         return time.time() + next_step + self.per_epoch_s() + self._model_save_s() + self._exit_s() > self.deadline
@@ -259,8 +308,15 @@ class Budget:
     def describe(self) -> str:
         p = self.plan
         return (f"budget {_fmt(self.budget_s)}: {p['total']} steps ({p['epochs']:g} epochs of {self.spe}) at "
-                f"{p['step_s']:.3f} s/step, {self.per_epoch_s():.1f} s per epoch end (evaluation and saves); "
-                f"{_fmt(self.clock.elapsed())} used so far")
+                f"{p['step_s']:.3f} s/step, {self._ends()}; {_fmt(self.clock.elapsed())} used so far")
+
+    def _ends(self) -> str:
+        """What ``describe`` says of the epoch ends."""
+        evaluated = f"{self.per_epoch_s():.1f} s per epoch end (evaluation and saves)"
+        if self.eval_every == 1:
+            return evaluated
+        return (f"{evaluated} every {self.eval_every} epochs and at the last, {self.plain_end_s():.1f} s "
+                f"(the checkpoint) at the others")
 
 
 def process_start_time() -> Optional[float]:

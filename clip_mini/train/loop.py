@@ -2,8 +2,9 @@
 
 Stages: set-up (processes, run dir, data, tokenizer, model, optimiser), resume, then per step: set lr,
 forward/backward (with contrastive accumulation), clip, guard against non-finite values, step (and ``train.ema``'s
-average), log, checkpoint; per epoch: evaluate, keep the best model, checkpoint; at the end ``final/`` and a summary
-table. With ``train.ema`` the average of the weights is the model the run evaluates, keeps and ships.
+average), log, checkpoint; per epoch: evaluate (every ``train.eval_every``-th epoch and the last), keep the best
+model, checkpoint; at the end ``final/`` and a summary table. With ``train.ema`` the average of the weights is the
+model the run evaluates, keeps and ships.
 
 ``curves.png`` is drawn (matplotlib: a fraction of a second) when the run ends, finished or paused, and at an epoch
 end when this process last drew it ``CURVES_EVERY_S`` or more before: a long run's picture follows it, and short
@@ -206,8 +207,8 @@ def _train(cfg: Config, info, resume: Optional[str], stop_after: Optional[int], 
         bar.close()
         if stopped:
             break
-        # -- end of epoch: evaluate, keep the best model, checkpoint ---------------------------------------------
-        if main:
+        # -- end of epoch: evaluate (every train.eval_every-th and the last), keep the best model, checkpoint ------
+        if main and pace.evaluates(epoch + 1, state["step"]):
             val = evaluate(epoch + 1)
             if is_better(t.best_metric, val[metric_key(t.best_metric)], state["best"]):
                 state["best"] = val[metric_key(t.best_metric)]

@@ -22,9 +22,9 @@ class Pace:
     """The run's length and schedule; with ``train.budget``, fitted to the time left and re-fitted as it runs."""
 
     def __init__(self, schedule: Schedule, steps_per_epoch: int, epochs: int, budget: Optional[Budget], device,
-                 main: bool = True):
+                 main: bool = True, eval_every: int = 1):
         self.schedule, self.spe, self.epochs_cfg = schedule, steps_per_epoch, epochs
-        self.budget, self.device, self.main = budget, device, main
+        self.budget, self.device, self.main, self.eval_every = budget, device, main, eval_every
         self._agreed = False   # the ranks' measured times agreed since the last evaluation
 
     @classmethod
@@ -37,12 +37,13 @@ class Pace:
         schedule = Schedule(total=total, warmup=t.warmup_steps, min_ratio=t.min_lr_ratio)
         budget = None
         if t.budget is not None:
-            budget = Budget(float(t.budget), clock, t.warmup_steps, steps_per_epoch, t.checkpoint_every)
+            budget = Budget(float(t.budget), clock, t.warmup_steps, steps_per_epoch, t.checkpoint_every,
+                            t.eval_every)
             kept = budget.resume((ckpt or {}).get("budget"))
             if kept is not None:
                 saved = ckpt.get("schedule")
                 schedule = Schedule.from_state(saved) if saved else Schedule(kept, t.warmup_steps, t.min_lr_ratio)
-        return cls(schedule, steps_per_epoch, t.epochs, budget, device, main)
+        return cls(schedule, steps_per_epoch, t.epochs, budget, device, main, t.eval_every)
 
     @staticmethod
     def deadline(cfg: Config, clock: RunClock, ckpt: Optional[dict]) -> Optional[float]:
@@ -71,6 +72,12 @@ class Pace:
     def epochs(self) -> int:
         """Epochs the run has: the config's, or those the fitted steps reach into."""
         return math.ceil(self.total / self.spe) if self.budget else self.epochs_cfg
+
+    def evaluates(self, epoch: int, step: int) -> bool:
+        """Whether the end of ``epoch`` (counted from 1), reached at ``step``, is evaluated: every
+        ``train.eval_every``-th epoch's, and the run's last (a budget's cut one too; ``final/`` records it). The last
+        is the plan's, which a checkpoint stores: a resumed run decides as the paused one would have."""
+        return epoch % self.eval_every == 0 or step >= self.total or epoch >= self.epochs()
 
     def factor(self, step: int) -> float:
         """The learning-rate factor of ``step``."""
@@ -106,7 +113,7 @@ class Pace:
                 tqdm.write(f"budget: stopped at step {step + 1}: the time left is what the run's end needs")
 
     def after_epoch(self, step: int) -> None:
-        """An epoch ended and was evaluated: fit again with the measured epoch end."""
+        """An epoch ended (evaluated or not): fit again with the measured epoch end."""
         b = self.budget
         if b is not None and b.fitting:
             self._agree_times()
