@@ -101,7 +101,8 @@ BUILTIN = {
     "d": [],
     "openclip": ["model.vision.image_size=96", "data.cache=true"],   # the from-scratch ViT's image resolution
     "vit": [],   # configs/flickr8k-vit.yaml as it is (BASE)
-    "p": ["model.text.trainable=false", "train.captions_per_image=5"],   # vit, MiniLM locked, all 5 captions a step
+    # vit with MiniLM locked, all 5 captions a step
+    "p": ["model.text.trainable_layers=null", "model.text.trainable=false", "train.captions_per_image=5"],
 }
 VIT_CONFIG = ROOT / "configs/flickr8k-vit.yaml"
 BASE = {"vit": VIT_CONFIG, "p": VIT_CONFIG}   # builtin variants over another config than REFERENCE
