@@ -130,6 +130,9 @@ class TrainConfig:
     lr_image: Optional[float] = None
     lr_text: Optional[float] = None
     lr_head: Optional[float] = None
+    # layer-wise decay: each tower block trains at this factor of the block above's rate (the top block at the
+    # tower's rate; embeddings below block 0 one factor lower), as BEiT and DINOv2 fine-tune; 1: one rate per tower
+    lr_layer_decay: float = 1.0
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.98)
     warmup_steps: int = 50
@@ -288,6 +291,8 @@ def _check_ranges(cfg: Config) -> None:
                               "table: a webdataset stream has one caption per sample")
         if cfg.train.label_smoothing:
             raise ConfigError("train.label_smoothing is for one caption per image (train.captions_per_image=1)")
+    if not 0.0 < cfg.train.lr_layer_decay <= 1.0:
+        raise ConfigError(f"train.lr_layer_decay must be in (0, 1], got {cfg.train.lr_layer_decay!r}")
     for name in ("lr_image", "lr_text", "lr_head"):
         val = getattr(cfg.train, name)
         if val is not None and val < 0:

@@ -138,3 +138,42 @@ def test_cli_rejects_bad_config_before_any_work(argv, key, tmp_path, capsys):
 def test_cli_reports_a_missing_config_file(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+def test_layer_decay_gives_each_block_its_rate_and_off_leaves_the_groups_as_they_were():
+    sets = ["train.lr_image=1e-3", "train.lr_text=4e-4", "train.lr_head=5e-3", "model.text.n_layers=3"]
+    model, cfg = _model(sets)
+    plain = param_groups(model, cfg.train)
+    model2, cfg2 = _model(sets + ["train.lr_layer_decay=0.5"])
+    decayed = param_groups(model2, cfg2.train)
+    off_model, off_cfg = _model(sets + ["train.lr_layer_decay=1"])
+    assert [(g["name"], g["lr"], len(g["params"])) for g in param_groups(off_model, off_cfg.train)] == [
+        (g["name"], g["lr"], len(g["params"])) for g in plain]
+    rate = {n: g["lr"] for g in decayed for n in _names(model2, g)}
+    depth = len(model2.visual.trunk.blocks)
+    for i in range(depth):   # the top block at the tower's rate, each one below at half the one above
+        assert rate[f"visual.trunk.blocks.{i}.attn.qkv.weight"] == pytest.approx(1e-3 * 0.5 ** (depth - 1 - i))
+        assert rate[f"visual.trunk.blocks.{i}.norm1.bias"] == rate[f"visual.trunk.blocks.{i}.attn.qkv.weight"]
+    assert rate["visual.trunk.patch_embed.proj.weight"] == pytest.approx(1e-3 * 0.5 ** depth)
+    assert rate["visual.trunk.cls_token"] == pytest.approx(1e-3 * 0.5 ** depth)
+    assert rate["visual.trunk.norm.weight"] == pytest.approx(1e-3)   # after the blocks: the top block's rate
+    for i in range(3):
+        assert rate[f"text.bert.transformer.layer.{i}.ffn.lin1.weight"] == pytest.approx(4e-4 * 0.5 ** (2 - i))
+    assert rate["text.bert.embeddings.position_embeddings.weight"] == pytest.approx(4e-4 * 0.5 ** 3)
+    assert rate["image_head.proj.weight"] == 5e-3 and rate["logit_scale"] == 5e-3   # heads: no depth
+    # the same parameters, decayed or not exactly as without layer decay
+    def by_decay(groups, model):
+        return {kind: set().union(*(_names(model, g) for g in groups if g["name"].endswith("." + kind)))
+                for kind in ("decay", "no_decay")}
+    assert by_decay(decayed, model2) == by_decay(plain, model)
+    assert all(g["base_lr"] == g["lr"] for g in decayed)
+    # the schedule scales every group alike
+    opt = build_optimizer(model2, cfg2.train)
+    set_lr(opt, 0.5)
+    assert all(g["lr"] == pytest.approx(g["base_lr"] * 0.5) for g in opt.param_groups)
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5"])
+def test_layer_decay_outside_zero_one_is_refused_naming_the_key(value):
+    with pytest.raises(ConfigError, match="train.lr_layer_decay"):
+        load_config(None, TINY + [f"train.lr_layer_decay={value}"])

@@ -4,11 +4,13 @@
 Groups: image tower (only its last ``model.vision.trainable_blocks`` blocks when set), text tower (its last
 ``model.text.trainable_layers`` when set) and heads (projection heads + ``logit_scale``) each get their own learning rate
 (``train.lr_image`` / ``lr_text`` / ``lr_head``, falling back to ``train.lr``), and each is split into a decayed
-and a non-decayed part. Biases, norm weights, the CLS token, positional embeddings and ``logit_scale`` are never
+and a non-decayed part; with ``train.lr_layer_decay`` below 1, a tower's groups are further split by depth, each
+block at that factor of the rate of the block above it. Biases, norm weights, the CLS token, positional embeddings and ``logit_scale`` are never
 weight-decayed: decay would pull them towards zero, which has no regularising meaning for them.
 """
 from __future__ import annotations
 
+import re
 
 import torch
 import torch.nn as nn
@@ -81,12 +83,40 @@ def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     groups = []
     for tower, (module, lr) in towers.items():
         named = [(n, p) for n, p in module.named_parameters()]
-        groups += _split(tower, named, cfg.lr if lr is None else lr, cfg.weight_decay)
+        lr = cfg.lr if lr is None else lr
+        if cfg.lr_layer_decay == 1.0:
+            groups += _split(tower, named, lr, cfg.weight_decay)
+        else:   # one pair of groups per depth, the top block at the tower's rate
+            depths = _depths(named)
+            top = max(depths.values())
+            for level in sorted(set(depths.values()), reverse=True):
+                part = [(n, p) for n, p in named if depths[n] == level]
+                groups += _split(f"{tower}.{level}", part, lr * cfg.lr_layer_decay ** (top - level),
+                                 cfg.weight_decay)
         seen.update(id(p) for _, p in named)
     # Everything else (projection heads, logit_scale) is the "head" group.
     rest = [(n, p) for n, p in model.named_parameters() if id(p) not in seen]
     groups += _split("head", rest, cfg.lr if cfg.lr_head is None else cfg.lr_head, cfg.weight_decay)
     return groups
+
+
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|layer|layers)\.(\d+)\.")
+
+
+def _depths(named: list) -> dict[str, int]:
+    """Each parameter's depth in its tower for ``train.lr_layer_decay``: block i (timm's ``blocks.i``, a BERT's
+    ``layer.i``) is i + 1, what comes before the blocks (embeddings, patch embedding, class token, positions) 0, and
+    what comes after them (a final norm, pooling) the top block's depth."""
+    found = {n: _BLOCK.search(n) for n, _ in named}
+    top = max((int(m.group(1)) + 1 for m in found.values() if m), default=0)
+    out, after = {}, False
+    for n, _ in named:   # named_parameters lists a tower's modules in definition order: before, blocks, after
+        m = found[n]
+        if m:
+            out[n], after = int(m.group(1)) + 1, True
+        else:
+            out[n] = top if after else 0
+    return out
 
 
 def _split(tower: str, named: list, lr: float, weight_decay: float) -> list[dict]:
