@@ -150,6 +150,9 @@ QUALITY_RUNS = {
                                            "--set train.eval_every=2",
     "quality_flickr8k_vit_bf16_t3e2mp2.json": "--variants bf16_t3e2mp2=configs/flickr8k-vit.yaml --budget-min 30 "
                                               "--set train.eval_every=2 --set train.captions_per_image=2",
+    "quality_flickr8k_vit_bf16_t3e2mp2ld8.json": "--variants bf16_t3e2mp2ld8=configs/flickr8k-vit.yaml --budget-min 30 "
+                                                 "--set train.eval_every=2 --set train.captions_per_image=2 "
+                                                 "--set train.lr_layer_decay=0.8 --set train.lr_image=2e-4",
     "quality_flickr8k_vit_nobf16_b4v1.json": "--variants nobf16_b4v1=configs/flickr8k-vit.yaml --budget-min 30 "
                                              "--set model.vision.trainable_blocks=4 --set train.frozen_features=1",
     "quality_flickr8k_vit_nobf16_b4v1t3.json": "--variants nobf16_b4v1t3=configs/flickr8k-vit.yaml --budget-min 30 "
@@ -715,8 +718,15 @@ def document() -> Doc:
     b, b_src = fill(mp2, "On top of that, two captions of each photo in every step (`train.captions_per_image: 2`, "
                          "`bf16_t3e2mp2`; the text tower now costs little): {results.0.steps_done} steps, val rsum "
                          "{results.0.best.val.rsum:.3f} (t2i R@5 {results.0.best.val.t2i_r5:.3f}, R@10 "
-                         "{results.0.best.val.t2i_r10:.3f}, i2t R@5 {results.0.best.val.i2t_r5:.3f}).\n")
-    doc.add(a + b, a_src + b_src)
+                         "{results.0.best.val.t2i_r10:.3f}, i2t R@5 {results.0.best.val.i2t_r5:.3f}). ")
+    c, c_src = fill("quality/quality_flickr8k_vit_bf16_t3e2mp2ld8.json",
+                    "On top of both, layer-wise learning-rate decay (`train.lr_layer_decay: 0.8` with the ViT's top "
+                    "block at `train.lr_image: 2e-4`, its lowest trainable one at 4e-5; `bf16_t3e2mp2ld8`): val rsum "
+                    "{results.0.best.val.rsum:.3f} (t2i R@5 {results.0.best.val.t2i_r5:.3f}, R@10 "
+                    "{results.0.best.val.t2i_r10:.3f}): a tie, dropped.\n")
+    doc.add(a + b + c, a_src + b_src + c_src)
+    if (RESULTS_DIR / "quality/flip_average.json").is_file():
+        flip_study(doc)
     val_screen_table(doc, [n for n in QUALITY_RUNS if "_vit" in n])
     doc.add("")
     final, screen = "quality/quality_flickr8k_vit_nobf16.json", "quality/quality_flickr8k_vit_nobf16_b4v1t3.json"
@@ -885,6 +895,28 @@ CUTOFF_CANDIDATES = ("best cosine (the new rule without its hit floor)", "best h
 def _curve_at(curve: list[dict], want: float):
     """The index of the curve point with the least kept share at or above ``want`` (None: none reaches it)."""
     return min((j for j, p in enumerate(curve) if p["kept"] >= want), key=lambda j: curve[j]["kept"], default=None)
+
+
+def flip_study(doc: Doc) -> None:
+    """benchmarks/studies/flip_average.py: each photo's embedding averaged with its mirror image's, on val."""
+    f = "quality/flip_average.json"
+    doc.add(*fill(f, "Flip averaging at index time (`python benchmarks/studies/flip_average.py`; val, "
+                     "CPU_KIND, {precision_note}): each photo's embedding averaged with its mirror "
+                     "image's and renormalised, against the embedding as indexing makes it; the image pass costs "
+                     "twice as much. Not yet an option of `clip-mini index`: measured here first.".replace(
+                         "{precision_note}", "the precision the hardware rule picks").replace("CPU_KIND", cpu_kind(f))))
+    doc.add("")
+    t = Table(doc, ["model", "embedding", "val t2i R@1", "R@5", "R@10", "i2t R@1", "R@5", "R@10", "rsum",
+                    "image pass (s, 500 photos)"])
+    for i, _ in enumerate(load(f)["models"]):
+        m = f"models.{i}"
+        for kind, label in (("plain", "as indexed"), ("flip_average", "averaged with its mirror")):
+            seconds = "image_pass_s.plain" if kind == "plain" else "image_pass_s.mirror"
+            t.row([fill(f, "`{%s.model}`" % m), (label, []),
+                   *(fill(f, "{%s.%s.%s:.3f}" % (m, kind, k))
+                     for k in ("t2i_r1", "t2i_r5", "t2i_r10", "i2t_r1", "i2t_r5", "i2t_r10", "rsum")),
+                   fill(f, "{%s.%s:.1f}" % (m, seconds)) if kind == "plain" else
+                   fill(f, "{%s.image_pass_s.plain:.1f} + {%s.%s:.1f}" % (m, m, seconds))])
 
 
 def cutoff_study(doc: Doc) -> None:
