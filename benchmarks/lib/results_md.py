@@ -735,10 +735,11 @@ def document() -> Doc:
                     "{results.0.best.val.rsum:.3f} (t2i R@5 {results.0.best.val.t2i_r5:.3f}, R@10 "
                     "{results.0.best.val.t2i_r10:.3f}): a tie, dropped.\n")
     doc.add(a + b + c, a_src + b_src + c_src)
-    if (RESULTS_DIR / "quality/flip_average.json").is_file():
-        flip_study(doc)
     val_screen_table(doc, [n for n in QUALITY_RUNS if "_vit" in n])
     doc.add("")
+    if (RESULTS_DIR / "quality/flip_average.json").is_file():
+        flip_study(doc)
+        doc.add("")
     final, screen = "quality/quality_flickr8k_vit_nobf16.json", "quality/quality_flickr8k_vit_nobf16_b4v1t3.json"
     a, a_src = fill(final, "The `nobf16` run (the config as the README runs it, `--final`) fitted "
                            "{results.0.steps_done} steps ")
