@@ -5,8 +5,9 @@ Groups: image tower (only its last ``model.vision.trainable_blocks`` blocks when
 ``model.text.trainable_layers`` when set) and heads (projection heads + ``logit_scale``) each get their own learning rate
 (``train.lr_image`` / ``lr_text`` / ``lr_head``, falling back to ``train.lr``), and each is split into a decayed
 and a non-decayed part; with ``train.lr_layer_decay`` below 1, a tower's groups are further split by depth, each
-block at that factor of the rate of the block above it. Biases, norm weights, the CLS token, positional embeddings and ``logit_scale`` are never
-weight-decayed: decay would pull them towards zero, which has no regularising meaning for them.
+block at that factor of the rate of the block above it. Biases, norm weights, the CLS token, positional embeddings
+and ``logit_scale`` are never weight-decayed: decay would pull them towards zero, which has no regularising meaning
+for them.
 """
 from __future__ import annotations
 
