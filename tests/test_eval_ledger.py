@@ -57,6 +57,22 @@ def test_eval_split_test_writes_its_line_before_scoring_and_the_numbers_after(mo
     assert len(line["config_hash"]) == 64 and line["precision"] == "fp32"
 
 
+def test_eval_flip_average_scores_mirrored_rows_and_records_it(model_dir, split_config, ledger_path, capsys):
+    code, plain, _ = _eval(["--model", str(model_dir), "--data", split_config], capsys)
+    flip_code, flip, err = _eval(["--model", str(model_dir), "--data", split_config, "--flip-average"], capsys)
+    assert code == flip_code == 0, err
+    assert plain["flip_average"] is False and flip["flip_average"] is True and flip["n_images"] == 10
+    assert flip["loss"] != pytest.approx(plain["loss"], rel=1e-6)   # other image rows
+    api = evaluate_retrieval(model_dir, split_config, progress=False, precision="fp32", device="cpu",
+                             flip_average=True)
+    assert api["loss"] == pytest.approx(flip["loss"], rel=1e-6)
+    capsys.readouterr()   # the data summary the API call printed
+    code, out, err = _eval(["--model", str(model_dir), "--data", split_config, "--split", "test", "--flip-average"],
+                           capsys)
+    (line,) = ledger.read_ledger()   # a test scoring says how its rows were made
+    assert code == 0 and out["flip_average"] is True and line["flip_average"] is True, err
+
+
 def test_a_crash_while_scoring_test_leaves_the_line(model_dir, split_config, ledger_path, monkeypatch):
     def crash(*args, **kwargs):
         raise MemoryError("the test split did not fit")

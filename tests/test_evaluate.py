@@ -178,6 +178,27 @@ def test_precomputed_tower_features_drop_unreadable_images_too(split_with_bad_im
         evaluate_model(model, df, transform, batch_size=4, tower_features=(tower, torch.zeros(6, dtype=torch.bool)))
 
 
+def test_flip_average_scores_each_image_with_its_mirror(split_with_bad_image):
+    from clip_mini.data import build_eval_transform, load_image
+    from clip_mini.eval.validation import _text_features, _val_loss, evaluate_model
+
+    model, df, _ = split_with_bad_image
+    transform = build_eval_transform(model.preprocess)
+    got = evaluate_model(model, df, transform, batch_size=4, flip_average=True)
+    pixels = torch.stack([transform(load_image(p)) for p in df.drop_duplicates("image_id")["path"]])
+    with torch.no_grad():   # the reference: the plain model pass on the pixels and on their mirror
+        image = torch.nn.functional.normalize(model.encode_image(pixels) + model.encode_image(pixels.flip(-1)), dim=-1)
+        text = _text_features(model, df["caption"].tolist(), 4, torch.device("cpu"), "fp32")
+    ids = df["image_id"].to_numpy()
+    assert got["loss"] == pytest.approx(_val_loss(image, text, ids, model.scale().float(), 4), rel=1e-5)
+    want = retrieval_metrics(image, text, torch.from_numpy(ids.copy()))
+    assert {k: got[k] for k in want} == pytest.approx(want, abs=1e-6)
+    assert got["loss"] != pytest.approx(evaluate_model(model, df, transform, batch_size=4)["loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="needs the pixels"):
+        evaluate_model(model, df, transform, tower_features=(torch.zeros(6, model.visual.width), torch.ones(6)),
+                       flip_average=True)
+
+
 # -- clip-mini eval reproduces the trainer's numbers --------------------------------------------------------
 @pytest.fixture(scope="module")
 def eval_shapes(tmp_path_factory):

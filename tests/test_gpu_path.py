@@ -161,7 +161,7 @@ def test_index_shards_builds_its_embedder_on_the_asked_device(monkeypatch, tmp_p
         main(["index", "--model", str(model), "--shards", "a.tar", "--ray", "--out", str(tmp_path / "i"), "--device",
               "cuda:1", "--quiet"])
     assert seen["device"] == "cpu" and seen["precision"] == "auto"
-    assert seen["ray"] == ((str(model), None, 2, 64, "auto", False), {"device": "cuda:1"})
+    assert seen["ray"] == ((str(model), None, 2, 64, "auto", False), {"device": "cuda:1", "flip_average": False})
 
 
 class _FakeRay:
@@ -213,7 +213,8 @@ def test_ray_actors_request_a_gpu_and_resolve_device_and_precision_themselves(mo
     monkeypatch.setattr("clip_mini.data.webdataset.shard_identity_of", lambda u: (1, 1))
     ray_index.embed_with_ray(["a.tar"], parts, "m", 2, 8, "auto", False, device=device)
     assert fake.map_kwargs["num_gpus"] == want_gpus
-    assert fake.map_kwargs["fn_constructor_kwargs"] == {"model_dir": "m", "precision": "auto", "device": device}
+    assert fake.map_kwargs["fn_constructor_kwargs"] == {"model_dir": "m", "precision": "auto", "device": device,
+                                                        "flip_average": False}
     # inside the actor: its own device (Ray's GPU is cuda:0 of what it sees) and "auto" resolved for it
     loaded = {}
 
@@ -223,7 +224,7 @@ def test_ray_actors_request_a_gpu_and_resolve_device_and_precision_themselves(mo
         return types.SimpleNamespace(device=torch.device(where), model=mock.Mock())
 
     monkeypatch.setattr("clip_mini.embed.load", fake_load)
-    monkeypatch.setattr("clip_mini.model.clip.ImageForward", lambda model, precision, device: precision)
+    monkeypatch.setattr("clip_mini.model.clip.ImageForward", lambda model, precision, device, flip=False: precision)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     with _gpus((8, 0), (8, 0)):
         got = ray_index.EmbedActor("m", "auto", device)

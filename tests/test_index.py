@@ -10,7 +10,7 @@ import clip_mini
 from clip_mini.retrieval.index import EmbeddingIndex, EmbeddingIndexError
 from clip_mini.retrieval.format import writer_lock
 from clip_mini.retrieval.files import scan_images
-from clip_mini.retrieval.build import _Work
+from clip_mini.retrieval.build import _Work, work_key
 from clip_mini.retrieval.shards import merge_indexes
 
 from conftest import write_images
@@ -281,3 +281,58 @@ def test_an_embedder_that_names_its_device_as_a_string_indexes(tmp_path, embedde
     finally:
         wrapped.restore()
     assert len(index) == 12 and wrapped.seen >= 12
+
+
+def test_flip_average_rows_are_recorded_and_fixed_per_index(tmp_path, embedder, image_folder):
+    import torch
+
+    from clip_mini.data import load_image
+    from clip_mini.model.clip import ImageForward
+
+    index = _build(tmp_path / "idx", embedder, image_folder, flip_average=True)
+    assert index.flip_average and index.manifest["flip_average"] is True
+    pixels = torch.stack([embedder.transform(load_image(p)) for p in index.items["path"]])
+    want = ImageForward(embedder.model, "fp32", "cpu", flip_average=True)(pixels).numpy()
+    rows = np.asarray(index.embeddings, np.float32)
+    np.testing.assert_allclose(rows, want, atol=2e-3)   # fp16 storage
+    plain = _build(tmp_path / "plain", embedder, image_folder)
+    assert plain.manifest["flip_average"] is False
+    assert np.abs(np.asarray(plain.embeddings, np.float32) - rows).max() > 1e-2
+    # the same setting again: nothing is embedded, no new generation
+    counting = _CountingEmbedder(embedder)
+    try:
+        again = _build(tmp_path / "idx", counting, image_folder, flip_average=True)
+    finally:
+        counting.restore()
+    assert counting.seen == 0 and again.manifest["generation"] == index.manifest["generation"]
+    # the other setting is refused, as another model is: the rows would mix two kinds
+    with pytest.raises(EmbeddingIndexError, match="built with flip averaging.*--flip-average"):
+        _build(tmp_path / "idx", embedder, image_folder)
+    with pytest.raises(EmbeddingIndexError, match="built without flip averaging"):
+        _build(tmp_path / "plain", embedder, image_folder, flip_average=True)
+    np.testing.assert_array_equal(np.asarray(EmbeddingIndex.load(tmp_path / "idx").embeddings, np.float32), rows)
+    # an index from before the option records nothing: plain rows
+    del plain.manifest["flip_average"]
+    assert plain.flip_average is False
+    plain.check_flip_average(False)
+
+
+def test_flip_average_keys_unfinished_work_and_merges_and_image_queries(tmp_path, embedder, image_folder):
+    work = _Work(tmp_path / "w", work_key(embedder.fingerprint, True))
+    work.append(["h"], np.ones((1, embedder.dim), np.float32), {})
+    assert "h" in _Work(tmp_path / "w", work_key(embedder.fingerprint, True)).rows   # resumed
+    assert not _Work(tmp_path / "w", work_key(embedder.fingerprint, False)).rows      # another kind: dropped
+    for i in range(2):
+        _build(tmp_path / "idx", embedder, image_folder, shard=(i, 2), flip_average=True)
+    merged = merge_indexes(tmp_path / "idx", progress=False)
+    assert merged.flip_average
+    _build(tmp_path / "mixed", embedder, image_folder, shard=(0, 2), flip_average=True)
+    _build(tmp_path / "mixed", embedder, image_folder, shard=(1, 2))
+    with pytest.raises(EmbeddingIndexError, match="flip averaging"):
+        merge_indexes(tmp_path / "mixed", progress=False)
+    # an image query on a flip-averaged index is flip-averaged too: a file finds its own row at cosine ~1
+    index = EmbeddingIndex.load(tmp_path / "idx")
+    path = index.items["path"][3]
+    assert index.engine().flip_average
+    (hits,) = index.hits(images=[path], k=1)
+    assert hits[0]["path"] == path and hits[0]["score"] == pytest.approx(1.0, abs=2e-3)

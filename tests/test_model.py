@@ -223,3 +223,20 @@ def test_patch_drop_needs_a_vit_and_a_rate_below_one():
         load_config(None, ["model.vision.patch_drop=1.0"])
     with pytest.raises(ConfigError, match="model.vision.patch_drop .*backbone=vit"):
         load_config(None, ["model.vision.backbone=efficientnet_lite0", "model.vision.patch_drop=0.5"])
+
+
+def test_flip_average_is_the_unit_sum_of_an_image_and_its_mirror(model):
+    from clip_mini.model.clip import ImageForward
+
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    plain = ImageForward(model, "fp32", "cpu")
+    flip = ImageForward(model, "fp32", "cpu", flip_average=True)
+    want = torch.nn.functional.normalize(plain(x) + plain(torch.flip(x, dims=[-1])), dim=-1)
+    got = flip(x)
+    assert got.shape == (3, 16) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.norm(dim=-1), torch.ones(3))
+    # a mirror-symmetric image is its own mirror: the plain row; an asymmetric one gets another row
+    symmetric = torch.cat([x[..., :16], torch.flip(x[..., :16], dims=[-1])], dim=-1)
+    torch.testing.assert_close(flip(symmetric), plain(symmetric), atol=1e-5, rtol=1e-5)
+    assert (got - plain(x)).abs().max() > 1e-3

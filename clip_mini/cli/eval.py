@@ -36,6 +36,9 @@ def add_arguments(sub) -> argparse.ArgumentParser:
                          "eval_batch_size, else the config's; 64 for zero-shot)")
     ev.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                     help="autocast precision (auto: bf16 where the device computes it natively, else fp32)")
+    ev.add_argument("--flip-average", action="store_true",
+                    help="average each image's row with its mirror image's, as index --flip-average does (2x the "
+                         "image pass)")
     ev.add_argument("--workers", type=count, default=None,
                     help="DataLoader workers decoding images (default: none on a CPU, 4 on a GPU)")
     ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -59,10 +62,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.labels is not None:
             out = evaluate_zero_shot(args.model, args.labels, args.images, args.label_col,
                                      args.template or DEFAULT_TEMPLATES, args.batch_size or 64, workers,
-                                     progress=progress, precision=args.precision, device=device)
+                                     progress=progress, precision=args.precision, device=device,
+                                     flip_average=args.flip_average)
         else:
             out = evaluate_retrieval(args.model, args.data, args.split, args.set, args.batch_size, workers,
-                                     progress=progress, precision=args.precision, device=device)
+                                     progress=progress, precision=args.precision, device=device,
+                                     flip_average=args.flip_average)
     if args.labels is not None:
         keys = [k for k in out if k.startswith("top")]
     else:
@@ -70,8 +75,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print_json(out)
         return 0
-    head = {k: out[k] for k in ("split", "precision", "n_images", "n_captions", "n_classes", "n_dropped_images")
-            if k in out}
+    head = {k: out[k] for k in ("split", "precision", "flip_average", "n_images", "n_captions", "n_classes",
+                                "n_dropped_images") if k in out}
     print("  ".join(f"{k}={v}" for k, v in rounded(head).items()))
     for k in keys:
         v = out[k]

@@ -64,6 +64,9 @@ def add_arguments(sub) -> argparse.ArgumentParser:
                     help="how the rows are stored (default: an existing index's, else float16). bfloat16: exact "
                          "search reads the rows straight into a native-bf16 CPU's products (faster on large "
                          "indexes), at 8 significant bits instead of 11 (cosines within ~4e-3 of float32)")
+    ix.add_argument("--flip-average", action="store_true",
+                    help="average each image's row with its mirror image's: 2x indexing time, better recall; fixed "
+                         "per index like its model (an update with the other setting is refused)")
     ix.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                     help="RAM the faiss index may take, for --faiss auto (default: half the memory available): "
                          "HNSW when it fits, else IVF-PQ")
@@ -107,7 +110,7 @@ def cmd_index(args: argparse.Namespace) -> int:
                        precision=precision, faiss=args.faiss, shard=shard, source=source,
                        model_dir=args.model, progress=progress, recall_target=args.recall_target,
                        memory_budget=None if args.memory_budget is None else args.memory_budget * 2**30,
-                       dtype=args.dtype)
+                       dtype=args.dtype, flip_average=args.flip_average)
     print(f"index {index.path}: {len(index)} images, generation {index.manifest['generation']}; "
           f"{index.changes['added']} added, {index.changes['dropped']} dropped"
           + (" (files gone or no longer listed)" if index.changes["dropped"] else ""))
@@ -172,14 +175,15 @@ def _index_shards(args: argparse.Namespace, progress: bool) -> int:
         precision = args.precision
         # the actors load the model where they run, in their own working folder: an absolute path
         embed = ray_embedder(os.path.abspath(args.model), None if args.ray == "local" else args.ray, args.ray_workers,
-                             args.batch_size, precision, progress, device=args.device)
+                             args.batch_size, precision, progress, device=args.device,
+                             flip_average=args.flip_average)
     else:
         embedder = load(args.model, device=args.device, batch_size=args.batch_size)
         precision = resolve_precision(args.precision, embedder.device)
         _hint(precision, embedder.device, progress)
     index = index_shards(args.out, embedder, shards, batch_size=args.batch_size, precision=precision,
                          faiss=args.faiss, source=args.shards, model_dir=args.model, progress=progress, embed=embed,
-                         dtype=args.dtype)
+                         dtype=args.dtype, flip_average=args.flip_average)
     report = getattr(embed, "report", None)   # a Ray pass: where the rows were read and embedded
     if report is not None:
         lines = report.lines()

@@ -20,15 +20,18 @@ DEFAULT_TEMPLATES = ("a photo of a {}.",)   # the same as clip_mini.embed.DEFAUL
 
 
 def embed_image_files(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
-                      progress: bool = True, precision: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
-    """Embed image files; returns (features (n_ok, d) float32, indices of the readable files into ``paths``).
+                      progress: bool = True, precision: str = "fp32", flip_average: bool = False
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Embed image files; returns (features (n_ok, d) float32, indices of the readable files into ``paths``);
+    ``flip_average`` as ``iter_image_features``.
 
     Unreadable files are left out (and printed), never embedded as a placeholder vector.
     """
     from clip_mini.features.image_files import iter_image_features
 
     feats, keep = [np.zeros((0, embedder.dim), np.float32)], [np.zeros(0, np.int64)]
-    for idx, f, bad in iter_image_features(embedder, list(paths), batch_size, workers, precision, progress):
+    for idx, f, bad in iter_image_features(embedder, list(paths), batch_size, workers, precision, progress,
+                                           flip_average=flip_average):
         feats.append(f)
         keep.append(idx.astype(np.int64))
         for i, reason in bad.items():
@@ -64,7 +67,8 @@ LEDGER_KEYS = ("t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "i2t_r1", "i2t_r5", "i
 
 def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optional[str] = None,
                        overrides: Optional[list[str]] = None, batch_size: Optional[int] = None, workers: int = 0,
-                       progress: bool = True, precision: Optional[str] = None, device: str = "auto") -> dict:
+                       progress: bool = True, precision: Optional[str] = None, device: str = "auto",
+                       flip_average: bool = False) -> dict:
     """Multi-caption recall@1/5/10 both ways, median rank and contrastive loss of a model on one split.
 
     The split comes from ``data.load_splits`` (as in the trainer; for a WebDataset config, ``data.format:
@@ -85,6 +89,8 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
         precision: ``"auto"`` / None (bf16 where ``device`` computes it natively, else fp32), ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` autocast.
         device: "auto", "cpu", "cuda" or "cuda:N".
+        flip_average: each image's row averaged with its mirror's, as ``clip-mini index --flip-average`` stores
+            them (twice the image pass; no longer the trainer's numbers); recorded in the result and the ledger.
 
     Raises:
         EvalError: unknown or empty split, or unknown precision.
@@ -110,20 +116,21 @@ def evaluate_retrieval(model_dir: str | Path, config: str | Path, split: Optiona
                         f"data.{split}_list); choose another --split or set data.{split}")
     batch_size = batch_size or trained_settings(model_dir).get("eval_batch_size") or cfg.train.eval_batch_size
     run = dict(split=split, batch_size=batch_size, workers=workers, progress=progress, precision=precision,
-               device=device)
+               device=device, flip_average=bool(flip_average))
     if split != "test":
         return _score_split(model_dir, config, cfg, **run)
     from clip_mini.eval.ledger import config_hash, record_test_scoring
 
     with record_test_scoring(variant=Path(model_dir).as_posix(), source="clip-mini eval", config=config,
-                             config_hash=config_hash(cfg.to_dict()), precision=precision) as line:
+                             config_hash=config_hash(cfg.to_dict()), precision=precision,
+                             flip_average=bool(flip_average)) as line:
         out = _score_split(model_dir, config, cfg, **run)
         line.test, line.test_images = {"model": {k: out[k] for k in LEDGER_KEYS if k in out}}, out["n_images"]
     return out
 
 
 def _score_split(model_dir: str | Path, config: str | Path, cfg, split: str, batch_size: int, workers: int,
-                 progress: bool, precision: str, device: str) -> dict:
+                 progress: bool, precision: str, device: str, flip_average: bool) -> dict:
     """``evaluate_retrieval``'s scoring, once the split and the settings are checked."""
     from clip_mini.data import load_splits, make_cache
     from clip_mini.embed import load
@@ -141,11 +148,12 @@ def _score_split(model_dir: str | Path, config: str | Path, cfg, split: str, bat
     embedder = load(model_dir, device=device, batch_size=batch_size)
     if progress:
         print(f"eval: {df['image_id'].nunique()} images, {len(df)} captions ({split}), {precision}, "
-              f"batch {batch_size}", file=sys.stderr)
+              f"batch {batch_size}{', flip averaging' if flip_average else ''}", file=sys.stderr)
     cache = make_cache(cfg.data, embedder.model.preprocess, df["path"].nunique())
     metrics = evaluate_model(embedder.model, df, embedder.transform, batch_size=batch_size, cache=cache,
-                             workers=workers, precision=precision)
-    return {"split": split, "precision": precision, "batch_size": batch_size, **metrics}
+                             workers=workers, precision=precision, flip_average=flip_average)
+    return {"split": split, "precision": precision, "batch_size": batch_size, "flip_average": flip_average,
+            **metrics}
 
 
 def class_text_features(encoder, classes: Sequence[str], templates: Sequence[str],
@@ -216,10 +224,11 @@ def read_labels(labels: str | Path, images: Optional[str | Path] = None, label_c
 def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Optional[str | Path] = None,
                        label_col: str = "label", templates: Sequence[str] = DEFAULT_TEMPLATES,
                        batch_size: int = 64, workers: int = 0, progress: bool = True,
-                       precision: Optional[str] = None, device: str = "auto") -> dict:
+                       precision: Optional[str] = None, device: str = "auto", flip_average: bool = False) -> dict:
     """Top-1/top-5 zero-shot accuracy: each image gets the class whose prompt embedding is nearest.
 
-    ``precision`` as in ``evaluate_retrieval``. Unreadable images are left out (``n_dropped_images``).
+    ``precision`` and ``flip_average`` as in ``evaluate_retrieval``. Unreadable images are left out
+    (``n_dropped_images``).
     """
     from clip_mini.embed import load
     from clip_mini.eval.metrics import zero_shot_accuracy
@@ -230,9 +239,10 @@ def evaluate_zero_shot(model_dir: str | Path, labels: str | Path, images: Option
         raise EvalError(f"{labels}: zero-shot classification needs at least 2 classes, found {classes}")
     embedder = load(model_dir, device=device, batch_size=batch_size)
     class_features = class_text_features(embedder, classes, templates, precision)
-    image_features, ok = embed_image_files(embedder, paths, batch_size, workers, progress, precision)
+    image_features, ok = embed_image_files(embedder, paths, batch_size, workers, progress, precision, flip_average)
     if len(ok) == 0:
         raise EvalError(f"none of the {len(paths)} images listed by {labels} could be read (e.g. {paths[0]})")
     acc = zero_shot_accuracy(image_features, class_features, np.asarray(targets)[ok])
     return {"n_images": int(len(ok)), "n_dropped_images": len(paths) - int(len(ok)), "n_classes": len(classes),
-            "templates": list(templates), "precision": precision, **acc, "labels": os.fspath(labels)}
+            "templates": list(templates), "precision": precision, "flip_average": bool(flip_average), **acc,
+            "labels": os.fspath(labels)}

@@ -19,8 +19,9 @@ from clip_mini.runtime.precision import autocast
 
 
 def _image_features(model, paths: list[str], transform, cache, batch_size: int, device: torch.device,
-                    precision: str, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, E)`` features and an ``(N,)`` bool mask of the images that could be read (their rows are junk)."""
+                    precision: str, workers: int, flip_average: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, E)`` features and an ``(N,)`` bool mask of the images that could be read (their rows are junk);
+    ``flip_average`` as in ``ImageForward`` (an index built with it scores as this does)."""
     from torch.utils.data import DataLoader
 
     from clip_mini.data import ImageDataset
@@ -30,7 +31,7 @@ def _image_features(model, paths: list[str], transform, cache, batch_size: int, 
                         pin_memory=device.type == "cuda")
     # The same gradient-free pass as the frozen-feature store and indexing (a bf16-weight tower under bf16), so
     # `clip-mini eval`, the trainer's val rows and stored features all score one set of tower outputs.
-    forward = ImageForward(model, precision, device)
+    forward = ImageForward(model, precision, device, flip_average)
     out, oks = [], []
     for pixels, _, ok in loader:
         out.append(forward(pixels))
@@ -90,7 +91,8 @@ def _val_loss(image_features: torch.Tensor, text_features: torch.Tensor, image_i
 @torch.inference_mode()
 def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, cache=None,
                    device: Optional[torch.device] = None, precision: str = "fp32", workers: int = 0,
-                   tower_features: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> dict[str, float]:
+                   tower_features: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                   flip_average: bool = False) -> dict[str, float]:
     """Validation loss and retrieval metrics of ``model`` on a split table.
 
     Args:
@@ -102,6 +104,8 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
         device, precision, workers: where and how to run.
         tower_features: ``(features, ok)`` of a locked image tower for the split's images in ``image_id``
             order (``train.frozen_features``); only the image head then runs.
+        flip_average: each image's row averaged with its mirror's (``ImageForward``: twice the image pass), as
+            ``clip-mini index --flip-average`` stores them; not with ``tower_features``. The trainer leaves it off.
 
     Returns:
         ``loss`` plus ``retrieval_metrics`` keys (``t2i_r1`` ... ``i2t_medr``, ``rsum``), computed over the
@@ -113,12 +117,14 @@ def evaluate_model(model, df: pd.DataFrame, transform, batch_size: int = 128, ca
     """
     from clip_mini.data import DataError
 
+    if flip_average and tower_features is not None:
+        raise ValueError("flip_average needs the pixels: precomputed tower_features hold no mirror images")
     device = device or next(model.parameters()).device
     model.eval()
     paths = df.drop_duplicates("image_id").sort_values("image_id")["path"].tolist()   # row j = image j
     if tower_features is None:
         image_features, ok = _image_features(model, paths, transform, cache, batch_size, device, precision,
-                                             workers)
+                                             workers, flip_average)
     else:
         feats, ok = tower_features
         with autocast(device, precision):

@@ -79,8 +79,11 @@ def _dir_key(path: str) -> Optional[tuple[int, int]]:
 
 def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, workers: int = 0,
                         precision: str = "fp32", progress: bool = True, desc: str = "embedding images",
-                        ) -> Iterator[tuple[np.ndarray, np.ndarray, dict[int, str]]]:
+                        flip_average: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, dict[int, str]]]:
     """Embed image files in batches: yields ``(indices, features (b, d) float32, {index: reason} of failures)``.
+
+    ``flip_average``: each row averaged with its left-right mirror's (``model.clip.ImageForward``; twice the
+    image pass).
 
     Failures are the caller's to report (a skip list, a summary line); here they only count on the progress bar,
     never as Python warnings with a source line.
@@ -98,7 +101,8 @@ def iter_image_features(embedder, paths: Sequence[str], batch_size: int = 64, wo
     from clip_mini.model.clip import ImageForward
 
     device = torch.device(embedder.device)
-    forward = ImageForward(embedder.model, precision, device)   # the same pass as eval and the feature store
+    # the same pass as eval and the feature store
+    forward = ImageForward(embedder.model, precision, device, flip_average)
     # a bf16 tower: pixels normalised straight to bf16, the same values (data/transforms.py)
     transform = (embedder.transform if forward.input_dtype == torch.float32
                  else build_eval_transform(embedder.model.preprocess, forward.input_dtype))

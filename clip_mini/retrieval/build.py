@@ -6,7 +6,8 @@
 2. hash (sha256) the rest; content already embedded (a copy, a moved file, an unchanged file that was touched)
    reuses that embedding, and identical new files are embedded once;
 3. embed what is left in batches, appending chunks of float16 rows to ``.work/`` as they finish, so a build
-   killed at any point resumes from its last chunk (chunks are keyed by content hash and model fingerprint);
+   killed at any point resumes from its last chunk (chunks are keyed by content hash, model fingerprint and
+   flip averaging);
 4. stream old rows and new chunks into a new ``embeddings-<gen>.npy``, float16 or bfloat16 rows (a memory map:
    memory stays bounded by one block however large the index), then commit the generation (see
    ``clip_mini.retrieval.index``).
@@ -34,6 +35,11 @@ from clip_mini.retrieval.rows import DTYPES, BF16Rows, encode, numpy_dtype, stor
 from clip_mini.retrieval.taken import TAKEN_COLUMNS, exif_seconds, taken
 
 _BLOCK = 16384   # rows copied per step when writing a generation
+
+
+def work_key(fingerprint: str, flip_average: bool) -> str:
+    """What unfinished work (``.work/``) is keyed by: the model, and whether its rows are flip-averaged."""
+    return fingerprint + (":flip" if flip_average else "")
 
 
 class _Work:
@@ -138,7 +144,7 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
                faiss: str = "auto", shard: Optional[tuple[int, int]] = None, flush_every: int = 1024,
                source: Optional[str] = None, model_dir: Optional[str] = None, progress: bool = True,
                recall_target: Optional[float] = None, memory_budget: Optional[float] = None,
-               dtype: Optional[str] = None) -> IndexReader:
+               dtype: Optional[str] = None, flip_average: bool = False) -> IndexReader:
     """Bring the index at ``path`` up to date with ``images``.
 
     Args:
@@ -161,9 +167,12 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         memory_budget: bytes the faiss index may take in RAM, for ``faiss="auto"`` (see ``faiss_kind``).
         dtype: how the rows are stored, "float16" or "bfloat16" (``clip_mini.retrieval.rows``); None keeps an
             existing index's (float16 for a new one). A change rewrites every row.
+        flip_average: each row averages the image with its left-right mirror (``model.clip.ImageForward``: twice
+            the image pass); recorded in the manifest. Like the model, it cannot change on an existing index.
 
     Raises:
-        EmbeddingIndexError: no images, no usable image, an index built with another model, a busy index.
+        EmbeddingIndexError: no images, no usable image, an index built with another model or another
+            ``flip_average``, a busy index.
     """
     if recall_target is not None and not 0 < recall_target <= 1:
         raise EmbeddingIndexError(f"--recall-target must be in (0, 1], got {recall_target}")
@@ -182,12 +191,13 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
         old = IndexReader.load(path) if (path / "manifest.json").is_file() else None
         if old is not None:
             old.check_model(embedder.fingerprint, "the model used for indexing")
+            old.check_flip_average(flip_average)
         rows, todo, skipped = _plan(old, images, captions, prune, progress)
-        work = _Work(path, embedder.fingerprint)
+        work = _Work(path, work_key(embedder.fingerprint, flip_average))
         from clip_mini.runtime.devices import default_workers   # torch: only on the embedding path
 
         workers = default_workers(workers, embedder.device)
-        _embed_missing(embedder, todo, work, batch_size, workers, precision, flush_every, progress)
+        _embed_missing(embedder, todo, work, batch_size, workers, precision, flush_every, progress, flip_average)
         if model_dir and hasattr(embedder, "model"):   # queries on this index then run without torch
             export_if_missing(embedder.model, model_dir)
         skipped.update({p: work.bad[h] for p, h in zip(rows["path"], rows["sha256"]) if h in work.bad})
@@ -206,7 +216,7 @@ def sync_index(path: str | Path, embedder, images: Sequence[str], captions: Opti
             old.changes = changes
             return old
         meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": list(shard) if shard else None,
-                "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
+                "model_dir": str(Path(model_dir).resolve()) if model_dir else None, "flip_average": bool(flip_average)}
         # one commit: the gone files' rows leave in the same atomic generation the new ones arrive in
         index = _publish(path, old, work, rows, embedder.dim, meta, kind, progress, recall_target, dtype)
         work.remove()
@@ -273,7 +283,7 @@ def _plan(old: Optional[IndexReader], images: list[str], captions: dict[str, str
 
 
 def _embed_missing(embedder, todo: dict[str, str], work: _Work, batch_size: int, workers: int, precision: str,
-                   flush_every: int, progress: bool) -> None:
+                   flush_every: int, progress: bool, flip_average: bool = False) -> None:
     pending = [(h, p) for h, p in sorted(todo.items(), key=lambda hp: hp[1])
                if h not in work.rows and h not in work.bad]
     if not pending:
@@ -282,7 +292,8 @@ def _embed_missing(embedder, todo: dict[str, str], work: _Work, batch_size: int,
         print(f"index: resuming, {len(todo) - len(pending)} of {len(todo)} new images already embedded")
     hashes, feats, bad = [], [], {}
     paths = [p for _, p in pending]
-    for idx, f, failed in iter_image_features(embedder, paths, batch_size, workers, precision, progress):
+    for idx, f, failed in iter_image_features(embedder, paths, batch_size, workers, precision, progress,
+                                              flip_average=flip_average):
         hashes += [pending[i][0] for i in idx]
         feats.append(f)
         bad.update({pending[i][0]: reason for i, reason in failed.items()})

@@ -24,11 +24,13 @@ class QueryEngine:
     ``encode_query(terms)`` for query arithmetic (``terms``).
 
     Both return (n, dim) float32 rows with unit L2 norm, comparable with the rows of an index built by the same
-    model (``fingerprint`` says which model that is).
+    model (``fingerprint`` says which model that is). ``flip_average``: image queries average each image with its
+    mirror, as the rows of an index built with ``--flip-average`` do (``IndexReader.flip_average``).
     """
 
-    def __init__(self, model_dir: str | Path, fingerprint: str, device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, fingerprint: str, device: str = "cpu", flip_average: bool = False):
         self.model_dir, self.fingerprint, self.device = Path(model_dir), fingerprint, device
+        self.flip_average = bool(flip_average)
         self._text = None
         self._image = None
 
@@ -36,10 +38,10 @@ class QueryEngine:
         return f"QueryEngine({str(self.model_dir)!r}, model={self.fingerprint})"
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu") -> "QueryEngine":
+    def load(cls, model_dir: str | Path, device: str = "cpu", flip_average: bool = False) -> "QueryEngine":
         """Check that ``model_dir`` is a model directory (the full checksum check happens when a tower loads)."""
         manifest = read_manifest(model_dir, verify=False, required=QUERY_FILES)
-        return cls(model_dir, manifest["fingerprint"], device)
+        return cls(model_dir, manifest["fingerprint"], device, flip_average)
 
     def encode_text(self, texts: Sequence[str]) -> np.ndarray:
         if self._text is None:
@@ -48,7 +50,7 @@ class QueryEngine:
 
     def encode_image(self, images: Sequence[Any]) -> np.ndarray:
         """Images as paths, encoded bytes, PIL images or arrays (decoded and preprocessed like the eval transform)."""
-        return unit_rows(self._image_encoder().encode_image(list(images)))
+        return unit_rows(self._image_encoder().encode_image(list(images), flip_average=self.flip_average))
 
     def encode_query(self, terms: Any) -> np.ndarray:
         """One (d,) unit row for weighted text and image terms (``terms.as_terms``: a caption, or a list of
@@ -73,7 +75,8 @@ class QueryEngine:
         return self._image
 
     def check_index(self, index, name: Optional[str] = None) -> None:
-        """Refuse an index built by another model."""
+        """Refuse an index built by another model, or with image rows made otherwise than this engine's."""
         index.check_model(self.fingerprint, name or f"model {self.model_dir}")
+        index.check_flip_average(self.flip_average, "this engine's image queries")
 
 

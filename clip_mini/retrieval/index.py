@@ -166,7 +166,7 @@ class EmbeddingIndex(IndexReader):
         model_dir = self._model_dir(model_dir)
         engines = self.__dict__.setdefault("_engines", {})
         if (model_dir, device) not in engines:
-            engine = QueryEngine.load(model_dir, device=device)
+            engine = QueryEngine.load(model_dir, device=device, flip_average=self.flip_average)
             engine.check_index(self)
             engines[(model_dir, device)] = engine
         return engines[(model_dir, device)]

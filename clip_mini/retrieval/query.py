@@ -17,6 +17,7 @@ import numpy as np
 
 from clip_mini.fileio.atomic import sha256_file
 from clip_mini.errors import QueryEncoderError
+from clip_mini.features.unit import unit_rows
 from clip_mini.fileio.manifest import read_json, read_manifest
 from clip_mini.model.onnx_export import ensure_onnx
 
@@ -94,8 +95,9 @@ class ImageQueryEncoder:
             raise QueryEncoderError(f"{path}: not a preprocessing config: {e}") from None
         return cls(_session(ensure_onnx(model_dir, "image", repair)), pre, manifest["fingerprint"])
 
-    def encode_image(self, images: Sequence[Any], batch_size: int = 16) -> np.ndarray:
-        """Images as paths, bytes, PIL images or arrays: (n, d) float32, rows L2-normalised."""
+    def encode_image(self, images: Sequence[Any], batch_size: int = 16, flip_average: bool = False) -> np.ndarray:
+        """Images as paths, bytes, PIL images or arrays: (n, d) float32, rows L2-normalised; ``flip_average``: each
+        the unit sum of the image's row and its left-right mirror's, as ``model.clip.ImageForward`` makes them."""
         from clip_mini.data.images import ImageError, load_image, load_image_bytes
         from clip_mini.retrieval.preprocess_np import eval_pixels
 
@@ -114,6 +116,13 @@ class ImageQueryEncoder:
                     pixels.append(eval_pixels(image, self.preprocess))
                 except ImageError as e:
                     raise QueryEncoderError(f"image {i}: {e}") from None
-            out.append(self.session.run(None, {"pixels": np.stack(pixels)})[0])
+            batch = np.stack(pixels)   # (b, 3, H, W)
+            if flip_average:
+                batch = np.concatenate([batch, batch[..., ::-1]])   # (2b, 3, H, W): then the mirrors
+            rows = self.session.run(None, {"pixels": batch})[0]
+            if flip_average:
+                plain, mirrored = np.split(unit_rows(rows), 2)
+                rows = unit_rows(plain + mirrored)
+            out.append(rows)
         return np.concatenate(out)
 

@@ -92,7 +92,7 @@ def read_shard_rows(item: dict) -> list[dict]:
 class EmbedActor:
     """Ray actor: loads the model once, then decodes and embeds batches (rows with a reason pass through)."""
 
-    def __init__(self, model_dir: str, precision: str, device: str = "auto"):
+    def __init__(self, model_dir: str, precision: str, device: str = "auto", flip_average: bool = False):
         import torch
 
         from clip_mini.embed import load
@@ -103,7 +103,7 @@ class EmbedActor:
         self.embedder = load(model_dir, device=actor_device(device))
         # "auto" resolved here, for this actor's device: the driver may have no GPU, or another kind
         self.precision = resolve_precision(precision, self.embedder.device)
-        self.forward = ImageForward(self.embedder.model, self.precision, self.embedder.device)
+        self.forward = ImageForward(self.embedder.model, self.precision, self.embedder.device, flip_average)
         self.node = None   # this actor's Ray node, asked on the first batch (not needed outside Ray)
 
     def __call__(self, batch: dict) -> dict:
@@ -231,10 +231,12 @@ class _Pass:
 
 def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers: int, batch_size: int,
                    precision: str, progress: bool, part_rows: int = _PART_ROWS, device: str = "auto",
-                   retries: int = RETRIES, report: Optional[RayReport] = None) -> RayReport:
+                   retries: int = RETRIES, report: Optional[RayReport] = None, flip_average: bool = False
+                   ) -> RayReport:
     """Run the pipeline over ``pending`` shards, writing a part per ``part_rows`` rows; returns the report.
 
-    ``precision`` may be "auto" and ``device`` any ``--device``: each actor resolves both where it runs. A pass that
+    ``precision`` may be "auto" and ``device`` any ``--device``: each actor resolves both where it runs. The actors
+    embed with ``flip_average`` as ``wds_source.embed_local`` does (``model.clip.ImageForward``). A pass that
     fails after a node left the cluster, or on a Ray system error (``_system_error``), runs again for the shards not
     complete, at most ``retries`` times.
 
@@ -251,8 +253,8 @@ def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers
         before = _alive_nodes(ray)
         report.passes += 1
         try:
-            for batch in _dataset(ray, todo, model_dir, workers, batch_size, precision, progress,
-                                  device).iter_batches(batch_size=None, batch_format="numpy"):
+            for batch in _dataset(ray, todo, model_dir, workers, batch_size, precision, progress, device,
+                                  flip_average).iter_batches(batch_size=None, batch_format="numpy"):
                 run.take(batch)
             run.flush()
         except Exception as e:   # noqa: BLE001 -- Ray's errors have no one base class (Ray Data wraps them)
@@ -276,14 +278,14 @@ def embed_with_ray(pending: Sequence[str], parts: Parts, model_dir: str, workers
 
 
 def _dataset(ray, shards: Sequence[str], model_dir: str, workers: int, batch_size: int, precision: str,
-             progress: bool, device: str):
+             progress: bool, device: str, flip_average: bool = False):
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = progress
     ds = ray.data.from_items([{"shard": u} for u in shards], override_num_blocks=len(shards))
     ds = ds.flat_map(read_shard_rows)
     # Ray Data's actor pools restart a dead actor and retry its tasks by default (max_restarts=-1)
     return ds.map_batches(EmbedActor, fn_constructor_kwargs={"model_dir": str(model_dir), "precision": precision,
-                                                             "device": str(device)},
+                                                             "device": str(device), "flip_average": flip_average},
                           compute=ray.data.ActorPoolStrategy(size=workers), batch_size=batch_size, num_cpus=1,
                           num_gpus=actor_gpus(ray, device), batch_format="numpy")
 
@@ -373,11 +375,12 @@ class RayEmbedder:
     ``report`` is the last run's ``RayReport``."""
 
     def __init__(self, model_dir: str, address: Optional[str], workers: int, batch_size: int, precision: str,
-                 progress: bool, device: str = "auto", part_rows: int = _PART_ROWS, retries: int = RETRIES):
+                 progress: bool, device: str = "auto", part_rows: int = _PART_ROWS, retries: int = RETRIES,
+                 flip_average: bool = False):
         self.ray = _ray()
         self.model_dir, self.address, self.workers, self.batch_size = model_dir, address, workers, batch_size
         self.precision, self.progress, self.device = precision, progress, device
-        self.part_rows, self.retries = part_rows, retries
+        self.part_rows, self.retries, self.flip_average = part_rows, retries, flip_average
         self.report: Optional[RayReport] = None
 
     def __call__(self, pending: Sequence[str], parts: Parts) -> None:
@@ -393,7 +396,7 @@ class RayEmbedder:
         try:
             embed_with_ray(pending, parts, self.model_dir, self.workers, self.batch_size, self.precision,
                            self.progress, part_rows=self.part_rows, device=self.device, retries=self.retries,
-                           report=self.report)
+                           report=self.report, flip_average=self.flip_average)
         finally:
             if started:
                 ray.shutdown()
@@ -401,5 +404,5 @@ class RayEmbedder:
 
 def ray_embedder(model_dir: str, address: Optional[str], workers: int, batch_size: int, precision: str,
                  progress: bool, device: str = "auto", **kw) -> Callable[[Sequence[str], Parts], None]:
-    """A ``RayEmbedder`` (``kw``: ``part_rows``, ``retries``)."""
+    """A ``RayEmbedder`` (``kw``: ``part_rows``, ``retries``, ``flip_average``)."""
     return RayEmbedder(model_dir, address, workers, batch_size, precision, progress, device, **kw)

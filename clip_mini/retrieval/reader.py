@@ -119,6 +119,22 @@ class IndexReader:
                 f"but {model_name} has fingerprint {fingerprint}: embeddings of different models are not "
                 "comparable; query with the index's model or rebuild the index")
 
+    @property
+    def flip_average(self) -> bool:
+        """Whether the rows average each image with its mirror (``model.clip.ImageForward``); False for an index
+        built before the option."""
+        return bool(self.manifest.get("flip_average", False))
+
+    def check_flip_average(self, flip_average: bool, what: str = "this build") -> None:
+        """Refuse to mix rows made with and without flip averaging, as ``check_model`` refuses another model's."""
+        if bool(flip_average) != self.flip_average:
+            said = {True: "with", False: "without"}
+            raise EmbeddingIndexError(
+                f"index {self.path} was built {said[self.flip_average]} flip averaging, and {what} "
+                f"{said[bool(flip_average)]} it: the rows would not be comparable; give the index's setting "
+                f"({'--flip-average' if self.flip_average else 'no --flip-average'}), or build a new index to "
+                "change it")
+
     # -- searching ------------------------------------------------------------------------------------------
     def search(self, queries: np.ndarray, k: int = 10, backend: str = "auto") -> tuple[np.ndarray, np.ndarray]:
         """Top-K rows by cosine similarity.

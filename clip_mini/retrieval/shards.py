@@ -26,7 +26,8 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
     The merged rows are stored as ``dtype`` ("float16" or "bfloat16"; default: the first shard's).
 
     Raises:
-        EmbeddingIndexError: no sources, a missing shard of n, different models, or one path with two contents.
+        EmbeddingIndexError: no sources, a missing shard of n, different models (or flip averaging), or one path
+            with two contents.
     """
     path = Path(path)
     if sources is None:
@@ -40,6 +41,7 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
         raise EmbeddingIndexError("nothing to merge")
     for p in parts[1:]:
         p.check_model(parts[0].fingerprint, f"shard {p.path}")
+        p.check_flip_average(parts[0].flip_average, f"shard {parts[0].path}")
     entries = sorted((p_path, k, r) for k, part in enumerate(parts) for r, p_path in enumerate(part.items["path"]))
     dated = all(c in part.items for part in parts for c in TAKEN_COLUMNS)   # else the merge records no dates
     rows: dict[str, list] = {c: [] for c in ("path", "size", "mtime_ns", "sha256", "caption",
@@ -55,13 +57,15 @@ def merge_indexes(path: str | Path, sources: Optional[Sequence[str | Path]] = No
         plan.append((k, r))
     with writer_lock(path):
         if (path / "manifest.json").is_file():
-            IndexReader.load(path, verify=False).check_model(parts[0].fingerprint, "the shards' model")
+            target = IndexReader.load(path, verify=False)
+            target.check_model(parts[0].fingerprint, "the shards' model")
+            target.check_flip_average(parts[0].flip_average, "the merged shards")
         generation = current_generation(path) + 1
         write_embeddings(path / f"embeddings-{generation}.npy", [p.embeddings for p in parts], plan, parts[0].dim,
                          dtype or storage_dtype(parts[0].embeddings))
         m0 = parts[0].manifest
         meta = {"model_fingerprint": m0["model_fingerprint"], "model_dir": m0.get("model_dir"),
-                "source": m0.get("source"), "shard": None}
+                "source": m0.get("source"), "shard": None, "flip_average": parts[0].flip_average}
         kind = faiss_kind(faiss, None, len(plan), parts[0].dim)
         commit(path, generation, rows, meta, kind, progress)
     return IndexReader.load(path, verify=False)

@@ -2,8 +2,9 @@
 
 ``index_shards`` mirrors ``build.sync_index`` for tar shards. The unit of work is a shard: its rows are kept while
 the shard file is unchanged (same size and mtime), so adding shards re-embeds only the new ones, and a build that
-is killed resumes after the last finished shard (``.work/part-*``, keyed by the model fingerprint). Rows are
-sorted by ``path`` = ``"<shard>#<key>"``, so one pass, a resumed pass and a Ray pass give the same index.
+is killed resumes after the last finished shard (``.work/part-*``, keyed by the model fingerprint and flip
+averaging). Rows are sorted by ``path`` = ``"<shard>#<key>"``, so one pass, a resumed pass and a Ray pass give the
+same index.
 ``read_image`` reads one row's image back from its shard by offset (search grids, the server).
 
 The embedding pass is pluggable: ``embed_local`` (this process) or ``ray_index.embed_with_ray``; both call
@@ -22,7 +23,7 @@ import numpy as np
 from clip_mini.data.readers import DataError
 from clip_mini.data.webdataset import SkipLog, decode_image, iter_shard, read_member, shard_identity_of
 from clip_mini.fileio.atomic import atomic_path, atomic_write_json
-from clip_mini.retrieval.build import _write_skipped, faiss_kind, read_work_json, write_embeddings
+from clip_mini.retrieval.build import _write_skipped, faiss_kind, read_work_json, work_key, write_embeddings
 from clip_mini.retrieval.format import EmbeddingIndexError, commit, current_generation, writer_lock
 from clip_mini.retrieval.reader import IndexReader
 from clip_mini.retrieval.rows import storage_dtype
@@ -111,13 +112,13 @@ def embed_images(embedder, blobs: Sequence[bytes], names: Sequence[str], forward
 
 
 def embed_local(embedder, shards: Sequence[str], parts: Parts, batch_size: int, precision: str,
-                progress: bool) -> None:
+                progress: bool, flip_average: bool = False) -> None:
     """Embed each shard in this process; one part per shard (a kill loses at most the shard being read)."""
     from tqdm import tqdm
 
     from clip_mini.model.clip import ImageForward
 
-    forward = ImageForward(embedder.model, precision, embedder.device)
+    forward = ImageForward(embedder.model, precision, embedder.device, flip_average)
     for url in tqdm(shards, desc="embedding shards", unit="shard", disable=not progress):
         size, mtime = shard_identity_of(url)
         log = SkipLog("index", show=5 if progress else 0)
@@ -150,17 +151,20 @@ Embedder = Callable[[Sequence[str], Parts], None]
 
 def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: int = 64, precision: str = "fp32",
                  faiss: str = "auto", source: Optional[str] = None, model_dir: Optional[str] = None,
-                 progress: bool = True, embed: Optional[Embedder] = None, dtype: Optional[str] = None) -> IndexReader:
+                 progress: bool = True, embed: Optional[Embedder] = None, dtype: Optional[str] = None,
+                 flip_average: bool = False) -> IndexReader:
     """Make the index at ``path`` hold every usable image of ``shards`` (a mirror: other rows are dropped).
 
     Args:
         shards: shard URLs (``clip_mini.data.webdataset.expand_shards``).
-        embed: the embedding pass ``embed(pending_shards, parts)``; default ``embed_local`` in this process.
+        embed: the embedding pass ``embed(pending_shards, parts)``; default ``embed_local`` in this process. A
+            pass of its own must embed as ``flip_average`` says (``ray_index.ray_embedder`` takes it too).
         dtype: row storage, "float16" or "bfloat16"; None keeps an existing index's (float16 for a new one).
         Others as ``build.sync_index``.
 
     Raises:
-        EmbeddingIndexError: no shards, no usable sample, another model's index, a busy index.
+        EmbeddingIndexError: no shards, no usable sample, another model's (or ``flip_average``'s) index, a busy
+            index.
     """
     path = Path(path)
     if not shards:
@@ -171,13 +175,14 @@ def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: 
         old = IndexReader.load(path) if (path / "manifest.json").is_file() else None
         if old is not None:
             old.check_model(embedder.fingerprint, "the model used for indexing")
+            old.check_flip_average(flip_average)
         ids = {u: (u, *shard_identity_of(u)) for u in dict.fromkeys(shards)}
         kept = _old_rows(old, ids)   # shards whose file is unchanged keep their rows
-        parts = Parts(path, embedder.fingerprint)
+        parts = Parts(path, work_key(embedder.fingerprint, flip_average))
         pending = [u for u, ident in ids.items() if ident not in kept and ident not in parts.complete]
         if pending:
-            (embed or (lambda todo, p: embed_local(embedder, todo, p, batch_size, precision, progress)))(
-                pending, parts)
+            (embed or (lambda todo, p: embed_local(embedder, todo, p, batch_size, precision, progress,
+                                                   flip_average)))(pending, parts)
         if model_dir and hasattr(embedder, "model"):   # as sync_index: queries on this index then run without torch
             from clip_mini.model.onnx_export import export_if_missing
 
@@ -194,7 +199,7 @@ def index_shards(path: str | Path, embedder, shards: Sequence[str], batch_size: 
         write_embeddings(path / f"embeddings-{generation}.npy", sources, plan, embedder.dim,
                          dtype or (storage_dtype(old.embeddings) if old is not None else "float16"))
         meta = {"model_fingerprint": embedder.fingerprint, "source": source, "shard": None,
-                "model_dir": str(Path(model_dir).resolve()) if model_dir else None}
+                "model_dir": str(Path(model_dir).resolve()) if model_dir else None, "flip_average": bool(flip_average)}
         commit(path, generation, rows, meta, faiss_kind(faiss, old, len(plan), embedder.dim), progress)
         parts.remove()
     return IndexReader.load(path, verify=False)

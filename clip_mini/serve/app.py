@@ -124,11 +124,13 @@ class Service:
         # A bad index or model fails here, before the server binds, with the library's own message.
         from clip_mini.retrieval.format import read_manifest
 
-        model_dir = cfg.model or read_manifest(index_dir).get("model_dir")
+        manifest = read_manifest(index_dir)
+        model_dir = cfg.model or manifest.get("model_dir")
         if not model_dir:
             raise EmbeddingIndexError(f"index {index_dir} does not record its model: pass --model DIR")
         self.model_dir = str(model_dir)
-        self.engine = QueryEngine.load(self.model_dir)
+        # image queries made as the index's rows were (an index from before the option has no key: plain)
+        self.engine = QueryEngine.load(self.model_dir, flip_average=bool(manifest.get("flip_average", False)))
         # Both towers load and checksum now, not on the first query of each kind.
         self.engine.encode_text(["warm up"])
         self.engine.encode_image([np.zeros((8, 8, 3), np.uint8)])
@@ -136,7 +138,7 @@ class Service:
         # A model that squashes the whole image to a square lets an upload shrink along each axis on its own.
         self.keep_aspect = self.engine._image_encoder().preprocess.get("resize_mode", "squash") != "squash"
         self.watcher = IndexWatcher(index_dir, self.engine.fingerprint, cfg.poll_s, cfg.verify,
-                                    cfg.float32_cache_bytes, cfg.float32_max_rows)
+                                    cfg.float32_cache_bytes, cfg.float32_max_rows, self.engine.flip_average)
         self.batcher = SearchBatcher(lambda: self.watcher.current, self._search_generation)
         self._text_pool = ThreadPoolExecutor(cfg.encode_threads, thread_name_prefix="clip-mini-text")
         self.image_pool = BoundedPool(cfg.image_threads, cfg.image_queue, "image")

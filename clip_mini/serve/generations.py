@@ -141,11 +141,15 @@ class IndexWatcher:
         float32_cache_bytes: keep a float32 copy of a generation's rows up to this size (0: never) ...
         float32_max_rows: ... and only when it has fewer rows than this; a larger generation is searched through
             its shared memory map.
+        flip_average: whether the server's image queries are flip-averaged; a generation whose rows are made
+            otherwise is refused, as another model's is.
     """
 
     def __init__(self, path: str | Path, fingerprint: str, poll_s: float = 1.0, verify: bool = True,
-                 float32_cache_bytes: int = 2 << 30, float32_max_rows: int = FLOAT32_MAX_ROWS):
+                 float32_cache_bytes: int = 2 << 30, float32_max_rows: int = FLOAT32_MAX_ROWS,
+                 flip_average: bool = False):
         self.path, self.fingerprint, self.poll_s, self.verify = Path(path), fingerprint, poll_s, verify
+        self.flip_average = flip_average
         self.float32_cache_bytes, self.float32_max_rows = float32_cache_bytes, float32_max_rows
         self.reload_error: Optional[str] = None
         self._failed_stamp: Optional[tuple] = None
@@ -164,6 +168,7 @@ class IndexWatcher:
         start = time.perf_counter()
         index = EmbeddingIndex.load(self.path, verify=self.verify)
         index.check_model(self.fingerprint, "the server's model")
+        index.check_flip_average(self.flip_average, "the server's image queries")
         rows32 = None
         if (not uses_faiss(index) and len(index) < self.float32_max_rows
                 and len(index) * index.dim * 4 <= self.float32_cache_bytes):
