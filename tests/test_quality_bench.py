@@ -117,6 +117,7 @@ def test_races_report_val_only_and_final_scores_test_once_into_the_ledger(shapes
     assert "error" not in r, r
     assert not {"test", "test_images"} & (r["best"].keys() | r["final"].keys()) and "test_score_s" not in r
     assert _has_numbers(r["best"]["val"]) and _has_numbers(r["final"]["val"])
+    assert r["flip_average"] is False   # --flip-average left out: the plain image rows, as in earlier reports
     assert not ledger_path.exists()   # the test split was not read
     race = tmp_path / "race.json"
     race.write_text((tmp_path / "quality.json").read_text())
@@ -135,7 +136,7 @@ def test_races_report_val_only_and_final_scores_test_once_into_the_ledger(shapes
     seen = []
     scoring = qf.score_best_and_final
     monkeypatch.setattr(qf, "score_best_and_final",
-                        lambda run: seen.append(ledger_path.read_text()) or scoring(run))
+                        lambda run, **kw: seen.append(ledger_path.read_text()) or scoring(run, **kw))
     report, stdout = _bench_here(shapes, tmp_path, "a", 1.0, capsys, "--epochs", "1", "--final")
     assert report["reported_split"] == "test" and "TEST split" in stdout
     (r,) = report["results"]

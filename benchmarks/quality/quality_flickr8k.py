@@ -45,6 +45,11 @@ come after the budget and are timed apart (``test_score_s``). ``--epochs N`` fix
 budget then only stops a run that overruns it). The load average is sampled and recorded, since another job on
 the 2 cores changes what fits. ``--limit-images N`` trains on the first N images of the captions file (val/test
 scaled to match), for smoke tests only.
+
+``--flip-average`` scores each photo as the mean of it and its mirror image (``clip-mini index --flip-average``):
+the test numbers, and the val numbers of ``best/`` and ``final/``, which are then scored again by
+``evaluate_retrieval`` (the trainer's own val rows, which chose ``best/`` and make ``val_curve``, stay plain). Each
+result records ``flip_average``; off by default, so reports stay comparable with earlier ones.
 """
 from __future__ import annotations
 
@@ -194,18 +199,30 @@ def _rows(run: Path) -> list[dict]:
 
 
 # -- scoring ----------------------------------------------------------------------------------------------------
-def score_model(model_dir: Path, config: Path) -> dict:
-    """Test numbers (``clip_mini.eval.scoring.evaluate_retrieval``) and the trainer's val numbers of one model."""
+def score_model(model_dir: Path, config: Path, flip_average: bool = False) -> dict:
+    """Test numbers (``clip_mini.eval.scoring.evaluate_retrieval``) and the val numbers (``val_numbers``) of one
+    model."""
     from clip_mini.eval.scoring import evaluate_retrieval
 
     trained = json.loads((model_dir / "config.json").read_text()).get("trained", {})
-    test = evaluate_retrieval(model_dir, config, split="test", progress=False)
+    test = evaluate_retrieval(model_dir, config, split="test", progress=False, flip_average=flip_average)
     return {"epoch": trained.get("epoch"), "step": trained.get("step"),
-            "val": {k: trained.get("val", {}).get(k) for k in KEYS},
+            "val": val_numbers(model_dir, config, trained, flip_average),
             "test": {k: test[k] for k in KEYS}, "test_images": test["n_images"]}
 
 
-def score_best_and_final(run: Path) -> dict:
+def val_numbers(model_dir: Path, config: Path, trained: dict, flip_average: bool) -> dict:
+    """The val numbers of a model: the trainer's, or with ``flip_average`` scored again by ``evaluate_retrieval``
+    (the trainer's rows embed each photo once)."""
+    if not flip_average:
+        return {k: trained.get("val", {}).get(k) for k in KEYS}
+    from clip_mini.eval.scoring import evaluate_retrieval
+
+    val = evaluate_retrieval(model_dir, config, split="val", progress=False, flip_average=True)
+    return {k: val[k] for k in KEYS}
+
+
+def score_best_and_final(run: Path, flip_average: bool = False) -> dict:
     """``{"best": ..., "final": ...}``; one test score when both are the same model (same step).
 
     A run stopped at the reserve has no ``final/``: its final model is then its newest checkpoint (the end of
@@ -224,7 +241,7 @@ def score_best_and_final(run: Path) -> dict:
         if which == "final" and "test" in prev and prev.get("step") == trained.get("step"):
             out[which] = dict(prev, same_as_best=True)
         else:
-            out[which] = score_model(model_dir, run / "config.yaml")
+            out[which] = score_model(model_dir, run / "config.yaml", flip_average)
         out[which]["from_checkpoint"] = model_dir.name == "final_from_checkpoint"
     return out
 
@@ -262,7 +279,8 @@ def precision_section(config: Path, run: Path) -> dict:
 
 
 # -- one trainer variant --------------------------------------------------------------------------------------
-def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int, final: bool) -> dict:
+def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, epochs: int, final: bool,
+                flip_average: bool = False) -> dict:
     """Train one variant as a user would (``train.py``; with ``train.budget`` unless ``--epochs``), then report
     its val numbers and, with ``--final`` only, score best/ and final/ on test and record that in the ledger."""
     from clip_mini.config import load_config
@@ -283,7 +301,7 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
         _check(rc, False, "the training run", log)
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
     epoch_rows = [r for r in _rows(run) if r.get("kind") == "epoch" and r.get("epoch", 0) > 0]
-    models = {which: val_of(run, which) for which in ("best", "final")}
+    models = {which: val_of(run, which, flip_average) for which in ("best", "final")}
     out = {"variant": v.name, "config": os.path.relpath(v.config, ROOT), "overrides": v.overrides, "extra": common,
            "budget": summary.get("budget"), "epochs_fixed": epochs or None,
            "epochs_done": max((r["epoch"] for r in epoch_rows), default=0),
@@ -293,26 +311,27 @@ def run_trainer(v: Variant, common: list[str], out_root: Path, budget_s: float, 
            "stopped_at_budget": stopped, **models, "budget_s": budget_s, "train_wall_s": round(train_wall, 1),
            "within_budget": train_wall <= budget_s, "time_breakdown": summary.get("time_breakdown"),
            "load_avg_mean": round(sum(loads) / max(len(loads), 1), 2), "load_avg_max": max(loads, default=0.0),
-           "log": str(log), "command": " ".join(cmd), "precision_section": precision_section(v.config, run)}
+           "log": str(log), "command": " ".join(cmd), "precision_section": precision_section(v.config, run),
+           "flip_average": flip_average}
     if final:
         tick = time.time()
-        out.update(score_test(v, run), test_score_s=round(time.time() - tick, 1))
+        out.update(score_test(v, run, flip_average), test_score_s=round(time.time() - tick, 1))
     out["wall_s"] = round(time.time() - t0, 1)   # the training run and, with --final, the test scores
     return out
 
 
-def val_of(run: Path, which: str) -> dict:
-    """The trainer's val numbers, epoch and step of ``best/`` or ``final/`` (no test split is read)."""
+def val_of(run: Path, which: str, flip_average: bool = False) -> dict:
+    """The val numbers (``val_numbers``), epoch and step of ``best/`` or ``final/`` (no test split is read)."""
     config = run / which / "config.json"
     if not config.is_file():
         return {"error": f"{run / which} was not written (the run stopped before its first epoch ended)"}
     trained = json.loads(config.read_text()).get("trained", {})
     return {"epoch": trained.get("epoch"), "step": trained.get("step"),
-            "val": {k: trained.get("val", {}).get(k) for k in KEYS}}
+            "val": val_numbers(run / which, run / "config.yaml", trained, flip_average)}
 
 
 # -- the test scoring, one line of the test ledger (clip_mini/eval/ledger.py) ---------------------------------
-def score_test(v: Variant, run: Path) -> dict:
+def score_test(v: Variant, run: Path, flip_average: bool = False) -> dict:
     """``score_best_and_final`` inside the variant's ledger line (written before the test split is read): date,
     variant, config and the hash of its resolved form, commit, CPU, then the test numbers of best/ and final/."""
     import yaml
@@ -321,15 +340,16 @@ def score_test(v: Variant, run: Path) -> dict:
 
     resolved = yaml.safe_load((run / "config.yaml").read_text())
     with record_test_scoring(variant=v.name, source="benchmarks/quality/quality_flickr8k.py --final",
-                             config=os.path.relpath(v.config, ROOT), config_hash=config_hash(resolved)) as line:
-        scores = score_best_and_final(run)
+                             config=os.path.relpath(v.config, ROOT), config_hash=config_hash(resolved),
+                             flip_average=flip_average) as line:
+        scores = score_best_and_final(run, flip_average=flip_average)
         line.test = {w: scores[w]["test"] for w in ("best", "final") if "test" in scores.get(w, {})}
         images = {scores[w].get("test_images") for w in line.test} - {None}
         line.test_images = images.pop() if len(images) == 1 else None
     return scores
 
 
-def score_race(path: Path, names: list[str], out_root: Path) -> None:
+def score_race(path: Path, names: list[str], out_root: Path, flip_average: bool = False) -> None:
     """``--score-race``: test numbers for the named variants of a race already run (val chose them), each inside
     its ledger line, written into the race's JSON, which then reports the test split for them."""
     from clip_mini.fileio.atomic import atomic_write_json
@@ -344,8 +364,9 @@ def score_race(path: Path, names: list[str], out_root: Path) -> None:
         if not (run / "best" / "config.json").is_file():
             raise SystemExit(f"error: {run / 'best'} is missing: the race's runs must still be in --out")
         tick = time.time()
-        r.update(score_test(Variant(name, ROOT / r["config"], r.get("overrides", [])), run),
-                 test_score_s=round(time.time() - tick, 1), test_scored_after_the_race=True)
+        r.update(score_test(Variant(name, ROOT / r["config"], r.get("overrides", [])), run, flip_average),
+                 test_score_s=round(time.time() - tick, 1), test_scored_after_the_race=True,
+                 flip_average=flip_average)
     report["reported_split"] = "test"
     atomic_write_json(path, report)
     print_summary(report)
@@ -396,8 +417,9 @@ def run_peer(v: Variant, common: list[str], out_root: Path, budget_s: float, fin
     for which in ("best", "final"):
         peer[which] = {"epoch": peer[which]["epoch"], "step": peer[which]["step"],
                        **{split: {k: peer[which][split][k] for k in KEYS} for split in splits}}
+    # the peer scores with its own pass: never flip-averaged
     return {"variant": v.name, "config": os.path.relpath(v.config, ROOT), "overrides": v.overrides, "extra": common,
-            "cache_warmup": warm, **peer, "budget_s": budget_s, "wall_s": round(wall, 1),
+            "flip_average": False, "cache_warmup": warm, **peer, "budget_s": budget_s, "wall_s": round(wall, 1),
             "within_budget": wall <= budget_s,
             "load_avg_mean": round(sum(loads) / max(len(loads), 1), 2), "load_avg_max": max(loads, default=0.0),
             "log": str(log), "command": " ".join(cmd)}
@@ -473,6 +495,9 @@ def main(argv=None) -> None:
                    help="no training: score on test (as --final does) the runs of an earlier race's JSON, still "
                         "in --out, for the variants named by --variants (the one val selected); the JSON is "
                         "rewritten with their test numbers")
+    p.add_argument("--flip-average", action="store_true",
+                   help="score each photo averaged with its mirror image (2x the image pass): test, and val "
+                        "scored again (best/ is still chosen by the trainer's plain val rows); not the peer")
     p.add_argument("--captions", default=str(ROOT.parent / "shared/data/flickr8k/captions.csv"))
     p.add_argument("--limit-images", type=int, default=0, help="first N images only (smoke tests)")
     p.add_argument("--out", default=str(ROOT / "runs/quality"))
@@ -480,7 +505,7 @@ def main(argv=None) -> None:
     p.add_argument("--result", default=str(ROOT / "benchmarks/results/quality/quality_flickr8k.json"))
     args = p.parse_args(argv)
     if args.score_race:
-        score_race(Path(args.score_race), args.variants.split(","), Path(args.out).resolve())
+        score_race(Path(args.score_race), args.variants.split(","), Path(args.out).resolve(), args.flip_average)
         return
     variants = parse_variants(args.variants)
     captions = Path(args.captions)
@@ -498,7 +523,8 @@ def main(argv=None) -> None:
         before = machine_gflops()
         try:
             results.append(run_peer(v, common, out_root, budget_s, args.final) if v.is_peer
-                           else run_trainer(v, common, out_root, budget_s, args.epochs, args.final))
+                           else run_trainer(v, common, out_root, budget_s, args.epochs, args.final,
+                                            args.flip_average))
         except BudgetError as e:
             print(f"quality: variant {v.name}: {e}", file=sys.stderr)
             results.append({"variant": v.name, "error": str(e)})
