@@ -212,9 +212,9 @@ class ImageForward:
     autocast and rows are normalised in fp32. One object per pass: building it copies the tower.
 
     ``flip_average``: each row is the unit sum of the unit rows of the pixels and of their left-right mirror
-    (``torch.flip`` on the last axis), one batch of 2B through the tower: twice the image pass, for val t2i R@5
-    +0.015 on Flickr8k (``benchmarks/studies/flip_average.py``). An index records it (``flip_average`` in its
-    manifest), as evaluation results do.
+    (``torch.flip`` on the last axis), one batch of 2B through the tower: twice the image pass; what it buys is
+    measured per model by ``benchmarks/studies/flip_average.py`` (benchmarks/RESULTS.md). An index records it
+    (``flip_average`` in its manifest), as evaluation results do.
     """
 
     def __init__(self, model: CLIPModel, precision: str, device: torch.device | str, flip_average: bool = False):
